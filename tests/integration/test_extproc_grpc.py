@@ -1,0 +1,483 @@
+"""The processor driven through a real grpc.aio channel with scripted ProcessingRequests,
+as Envoy would send them. The prefill pod is the simulator, a real HTTP server on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import Any
+
+import grpc
+import httpx
+import orjson
+import pytest
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdproc.config import BootstrapPolicy, Settings
+from pdproc.server import ProcessorServer
+from pdproc.sim import PrefillConfig, RunningPrefill, start_prefill
+from pdproc.targets import AllowList
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 50}
+
+
+def headers_msg(
+    path: str = "/v1/chat/completions",
+    method: str = "POST",
+    extra: dict[str, str] | None = None,
+    end_of_stream: bool = False,
+) -> pb.ProcessingRequest:
+    values = {":method": method, ":path": path, ":authority": "gw", "x-request-id": "req-1"}
+    values.update(extra or {})
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=HeaderMap(
+                headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
+            ),
+            end_of_stream=end_of_stream,
+        )
+    )
+
+
+def body_msg(body: bytes | dict[str, Any], end_of_stream: bool = True) -> pb.ProcessingRequest:
+    raw = body if isinstance(body, bytes) else orjson.dumps(body)
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=end_of_stream))
+
+
+def response_headers_msg(status: str = "200") -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(
+            headers=HeaderMap(headers=[HeaderValue(key=":status", raw_value=status.encode())])
+        )
+    )
+
+
+class Harness:
+    def __init__(self, server: ProcessorServer, prefill: RunningPrefill) -> None:
+        self.server = server
+        self.prefill = prefill
+        self.channel = grpc.aio.insecure_channel(
+            f"127.0.0.1:{server.port}",
+            options=[
+                ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                ("grpc.max_receive_message_length", 64 * 1024 * 1024),  # as Envoy: unlimited
+            ],
+        )
+        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
+
+    @property
+    def target(self) -> dict[str, str]:
+        return {"x-prefiller-host-port": self.prefill.address}
+
+    def open(self) -> Any:
+        return self.stub.Process()
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.server.metrics.registry.get_sample_value(name, labels)
+        return value or 0.0
+
+    async def prefill_records(self) -> list[dict[str, Any]]:
+        async with httpx.AsyncClient() as client:
+            response = await client.get(self.prefill.url + "/sim/requests")
+            records: list[dict[str, Any]] = response.json()["requests"]
+            return records
+
+    async def faults(self, **faults: Any) -> None:
+        async with httpx.AsyncClient() as client:
+            response = await client.post(self.prefill.url + "/sim/faults", json=faults)
+            response.raise_for_status()
+
+
+async def eventually(check: Callable[[], Any], timeout_s: float = 10.0) -> None:
+    """Wait (bounded) for a condition that depends on background work."""
+    async with asyncio.timeout(timeout_s):
+        while not await _maybe_await(check()):
+            await asyncio.sleep(0.02)
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if asyncio.iscoroutine(value) else value
+
+
+async def recv(call: Any, timeout_s: float = 10.0) -> pb.ProcessingResponse:
+    async with asyncio.timeout(timeout_s):
+        message = await call.read()
+    assert message is not grpc.aio.EOF
+    assert isinstance(message, pb.ProcessingResponse)
+    return message
+
+
+@pytest.fixture
+async def prefill() -> AsyncIterator[RunningPrefill]:
+    running = await start_prefill(PrefillConfig(dp_ranks=2, prefill_delay_ms=50))
+    yield running
+    await running.close()
+
+
+def base_settings(prefill: RunningPrefill) -> Settings:
+    assert prefill.bootstrap_port is not None
+    return Settings(
+        listen="127.0.0.1:0",
+        bootstrap_port=prefill.bootstrap_port,
+        allow=AllowList.parse(["127.0.0.1/32", "::1/128"]),
+        prefill_timeout_s=10.0,
+        max_body_bytes=8 * 1024 * 1024,
+    )
+
+
+@pytest.fixture
+async def make_harness(
+    prefill: RunningPrefill,
+) -> AsyncIterator[Callable[..., Any]]:
+    started: list[Harness] = []
+
+    async def make(**overrides: Any) -> Harness:
+        server = ProcessorServer(replace(base_settings(prefill), **overrides))
+        await server.start()
+        harness = Harness(server, prefill)
+        started.append(harness)
+        return harness
+
+    yield make
+    for harness in started:
+        await harness.channel.close()
+        await harness.server.stop(drain_timeout_s=5)
+
+
+@pytest.fixture
+async def h(make_harness: Callable[..., Any]) -> Harness:
+    harness: Harness = await make_harness()
+    return harness
+
+
+async def test_health_service_reports_serving(h: Harness) -> None:
+    stub = health_pb2_grpc.HealthStub(h.channel)
+    for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_header_only_request_passes_through_without_body(h: Harness) -> None:
+    call = h.open()
+    await call.write(headers_msg("/v1/models", "GET", h.target, end_of_stream=True))
+    answer = await recv(call)
+    assert answer.WhichOneof("response") == "request_headers"
+    assert answer.mode_override.request_body_mode == ProcessingMode.NONE
+    assert answer.mode_override.response_header_mode == ProcessingMode.SKIP
+    removed = answer.request_headers.response.header_mutation.remove_headers
+    assert list(removed) == ["x-prefiller-host-port"]
+    await call.done_writing()
+    assert h.sample("pdproc_requests_total", path="other", outcome="passthrough") == 1
+
+
+async def test_pd_request_rewrites_body_and_launches_prefill(h: Harness) -> None:
+    call = h.open()
+    await call.write(headers_msg(extra={**h.target, "authorization": "Bearer t"}))
+    first = await recv(call)
+    assert first.WhichOneof("response") == "request_headers"
+    assert not first.HasField("mode_override")
+    assert list(first.request_headers.response.header_mutation.remove_headers) == [
+        "x-prefiller-host-port"
+    ]
+
+    await call.write(body_msg({**CHAT, "max_completion_tokens": 100}))
+    second = await recv(call)
+    common = second.request_body.response
+    body = common.body_mutation.body
+    decode = orjson.loads(body)
+    (length,) = [h for h in common.header_mutation.set_headers if h.header.key == "content-length"]
+    assert length.header.raw_value == str(len(body)).encode()
+    assert length.header.value == ""  # raw_value only: `value` arrives empty in Envoy
+    kv = decode["kv_transfer_params"]
+    assert kv["do_remote_prefill"] is True
+    assert kv["do_remote_decode"] is False
+    assert kv["remote_bootstrap_addr"] == h.prefill.bootstrap_url
+    assert kv["transfer_id"].startswith("xfer-")
+    assert (decode["max_tokens"], decode["max_completion_tokens"]) == (50, 100)
+
+    records: list[dict[str, Any]] = []
+
+    async def prefilled() -> bool:
+        records[:] = await h.prefill_records()
+        return bool(records) and records[-1]["status"] is not None
+
+    await eventually(prefilled)
+    (record,) = records
+    prefill_kv = record["body"]["kv_transfer_params"]
+    assert prefill_kv == {
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "transfer_id": kv["transfer_id"],
+    }
+    assert record["body"]["max_tokens"] == 1
+    assert record["body"]["max_completion_tokens"] == 1
+    assert record["body"]["stream"] is False
+    rank = int(record["headers"]["x-data-parallel-rank"])
+    assert h.prefill.engine_ids[rank] == kv["remote_engine_id"]
+    assert record["headers"]["authorization"] == "Bearer t"
+    assert record["headers"]["x-request-id"] == "req-1"
+    assert "x-prefiller-host-port" not in record["headers"]
+
+    await call.write(response_headers_msg("200"))
+    third = await recv(call)
+    assert third.WhichOneof("response") == "response_headers"
+    await call.done_writing()
+    await eventually(lambda: h.sample("pdproc_requests_total", path="/v1/chat/completions",
+                                      outcome="pd") == 1)  # fmt: skip
+
+
+async def test_response_headers_are_held_until_the_prefill_ends(
+    make_harness: Callable[..., Any],
+) -> None:
+    h: Harness = await make_harness()
+    await h.faults(prefill_hang=True)
+    call = h.open()
+    await call.write(headers_msg(extra=h.target))
+    await recv(call)
+    await call.write(body_msg(CHAT))
+    await recv(call)
+    await call.write(response_headers_msg("200"))
+    hold = await recv(call)
+    # First the timeout extension, alone: Envoy honours only the first one per message.
+    assert hold.WhichOneof("response") is None
+    assert 10 <= hold.override_message_timeout.seconds <= 12
+    assert h.sample("pdproc_prefills_total", outcome="2xx") == 0
+    await h.faults(prefill_hang=False)
+    answer = await recv(call)
+    assert answer.WhichOneof("response") == "response_headers"
+    assert h.sample("pdproc_prefills_total", outcome="2xx") == 1
+    await call.done_writing()
+
+
+async def test_invalid_json_gets_400(h: Harness) -> None:
+    call = h.open()
+    await call.write(headers_msg(extra=h.target))
+    await recv(call)
+    await call.write(body_msg(b"{not json"))
+    answer = await recv(call)
+    immediate = answer.immediate_response
+    assert immediate.status.code == 400
+    error = orjson.loads(immediate.body)
+    assert error["type"] == "BadRequestError"
+    assert error["object"] == "error"
+    assert error["code"] == 400
+    content_type = {h.header.key: h.header.raw_value for h in immediate.headers.set_headers}
+    assert content_type["content-type"] == b"application/json"
+    assert await h.prefill_records() == []
+
+
+async def test_array_body_gets_400(h: Harness) -> None:
+    call = h.open()
+    await call.write(headers_msg(extra=h.target))
+    await recv(call)
+    await call.write(body_msg(b"[1,2,3]"))
+    assert (await recv(call)).immediate_response.status.code == 400
+
+
+async def test_disallowed_target_gets_403_and_no_traffic(
+    make_harness: Callable[..., Any],
+) -> None:
+    h: Harness = await make_harness(allow=AllowList.parse(["10.0.0.0/8"]))
+    call = h.open()
+    await call.write(headers_msg(extra=h.target))
+    answer = await recv(call)
+    assert answer.immediate_response.status.code == 403
+    assert b"not allowed" in answer.immediate_response.body
+    async with httpx.AsyncClient() as client:
+        stats = (await client.get(h.prefill.url + "/sim/stats")).json()
+    assert stats["bootstrap_queries"] == 0
+    assert await h.prefill_records() == []
+
+
+async def test_malformed_target_header_gets_400(h: Harness) -> None:
+    call = h.open()
+    await call.write(headers_msg(extra={"x-prefiller-host-port": "no-port-here"}))
+    assert (await recv(call)).immediate_response.status.code == 400
+
+
+async def test_no_target_passes_through_unchanged(h: Harness) -> None:
+    call = h.open()
+    await call.write(headers_msg())
+    answer = await recv(call)
+    assert answer.mode_override.request_body_mode == ProcessingMode.NONE
+    assert h.sample("pdproc_requests_total", path="/v1/chat/completions",
+                    outcome="passthrough") == 1  # fmt: skip
+
+
+async def test_pool_member_is_used_without_header_or_allow_list(
+    make_harness: Callable[..., Any], prefill: RunningPrefill
+) -> None:
+    from pdproc.targets import parse_host_port
+
+    h: Harness = await make_harness(
+        prefill_pool=(parse_host_port(prefill.address),), allow=AllowList()
+    )
+    call = h.open()
+    await call.write(headers_msg())
+    await recv(call)
+    await call.write(body_msg(CHAT))
+    answer = await recv(call)
+    kv = orjson.loads(answer.request_body.response.body_mutation.body)["kv_transfer_params"]
+    assert kv["remote_bootstrap_addr"] == prefill.bootstrap_url
+    await eventually(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 1)
+
+
+async def test_huge_body_is_rewritten(h: Harness) -> None:
+    prompt = "x" * (5 * 1024 * 1024)  # past grpc's 4 MiB default receive limit
+    call = h.open()
+    await call.write(headers_msg(extra=h.target))
+    await recv(call)
+    await call.write(body_msg({**CHAT, "messages": [{"role": "user", "content": prompt}]}))
+    answer = await recv(call, timeout_s=30)
+    body = answer.request_body.response.body_mutation.body
+    assert len(body) > 5 * 1024 * 1024
+    assert orjson.loads(body)["messages"][0]["content"] == prompt
+
+
+async def test_body_over_limit_gets_413(make_harness: Callable[..., Any]) -> None:
+    h: Harness = await make_harness(max_body_bytes=1024 * 1024)
+    call = h.open()
+    await call.write(headers_msg(extra=h.target))
+    await recv(call)
+    await call.write(body_msg({**CHAT, "prompt": "y" * (1024 * 1024 + 10)}))
+    answer = await recv(call)
+    assert answer.immediate_response.status.code == 413
+    assert orjson.loads(answer.immediate_response.body)["code"] == 413
+
+
+async def test_partial_body_gets_413(h: Harness) -> None:
+    call = h.open()
+    await call.write(headers_msg(extra=h.target))
+    await recv(call)
+    await call.write(body_msg(b'{"model":', end_of_stream=False))
+    assert (await recv(call)).immediate_response.status.code == 413
+
+
+async def test_cancelled_stream_leaves_prefill_running(h: Harness) -> None:
+    await h.faults(prefill_hang=True)
+    call = h.open()
+    await call.write(headers_msg(extra=h.target))
+    await recv(call)
+    await call.write(body_msg(CHAT))
+    await recv(call)
+    call.cancel()  # the client hung up; Envoy resets the stream
+    await eventually(lambda: h.sample("pdproc_streams_active") == 0)
+    assert h.server.processor is not None
+    assert h.server.processor.launcher.total_in_flight == 1
+    await h.faults(prefill_hang=False)
+    await eventually(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 1)
+    assert h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="pd") == 1
+
+
+async def test_failed_prefill_aborts_before_response(h: Harness) -> None:
+    await h.faults(prefill_status=500)
+    call = h.open()
+    await call.write(headers_msg(extra=h.target))
+    await recv(call)
+    await call.write(body_msg(CHAT))
+    assert (await recv(call)).WhichOneof("response") == "request_body"
+    abort = await recv(call)  # unsolicited: no message of Envoy's asked for it
+    assert abort.immediate_response.status.code == 502
+    error = orjson.loads(abort.immediate_response.body)
+    assert error["type"] == "BadGateway"
+    assert "prefill failed" in error["message"]
+    assert h.sample("pdproc_decode_aborts_total", when="before_response") == 1
+    assert h.sample("pdproc_requests_total", path="/v1/chat/completions",
+                    outcome="prefill_failed") == 1  # fmt: skip
+    # The pod may have restarted: its engine ids are asked for again next time.
+    assert h.sample("pdproc_engine_cache_events_total", event="invalidation") == 1
+
+
+async def test_prefill_timeout_aborts_held_response_with_504(
+    make_harness: Callable[..., Any],
+) -> None:
+    h: Harness = await make_harness(prefill_timeout_s=0.3)
+    await h.faults(prefill_hang=True)
+    call = h.open()
+    await call.write(headers_msg(extra=h.target))
+    await recv(call)
+    await call.write(body_msg(CHAT))
+    await recv(call)
+    await call.write(response_headers_msg("200"))
+    answers = [await recv(call), await recv(call)]
+    kinds = [a.WhichOneof("response") for a in answers]
+    # Either the hold started first (override, then the abort) or the timeout won the race.
+    assert kinds[-1] == "immediate_response" or kinds[0] == "immediate_response"
+    abort = next(a for a in answers if a.HasField("immediate_response"))
+    assert abort.immediate_response.status.code == 504
+    await h.faults(prefill_hang=False)
+
+
+async def test_decode_error_is_passed_on_while_prefill_runs(h: Harness) -> None:
+    await h.faults(prefill_hang=True)
+    call = h.open()
+    await call.write(headers_msg(extra=h.target))
+    await recv(call)
+    await call.write(body_msg(CHAT))
+    await recv(call)
+    await call.write(response_headers_msg("503"))
+    answer = await recv(call)
+    assert answer.WhichOneof("response") == "response_headers"
+    await h.faults(prefill_hang=False)
+
+
+@pytest.mark.parametrize("fault", ["down", "garbage", "empty"])
+async def test_bootstrap_failure_gets_502(h: Harness, fault: str) -> None:
+    await h.faults(bootstrap=fault)
+    call = h.open()
+    await call.write(headers_msg(extra=h.target))
+    await recv(call)
+    await call.write(body_msg(CHAT))
+    answer = await recv(call)
+    assert answer.immediate_response.status.code == 502
+    assert orjson.loads(answer.immediate_response.body)["type"] == "BadGateway"
+    assert await h.prefill_records() == []
+
+
+async def test_bootstrap_failure_decode_only_policy(make_harness: Callable[..., Any]) -> None:
+    h: Harness = await make_harness(on_bootstrap_error=BootstrapPolicy.DECODE_ONLY)
+    await h.faults(bootstrap="garbage")
+    call = h.open()
+    await call.write(headers_msg(extra=h.target))
+    await recv(call)
+    await call.write(body_msg({**CHAT, "kv_transfer_params": {"remote_bootstrap_addr": "x"}}))
+    answer = await recv(call)
+    body = orjson.loads(answer.request_body.response.body_mutation.body)
+    assert "kv_transfer_params" not in body  # a client's params never reach the decode
+    assert body["messages"] == CHAT["messages"]
+    assert h.sample("pdproc_requests_total", path="/v1/chat/completions",
+                    outcome="decode_only") == 1  # fmt: skip
+
+
+async def test_concurrent_misses_make_one_bootstrap_query(h: Harness) -> None:
+    calls = [h.open() for _ in range(8)]
+    for call in calls:
+        await call.write(headers_msg(extra=h.target))
+    for call in calls:
+        await recv(call)
+        await call.write(body_msg(CHAT))
+    for call in calls:
+        assert (await recv(call)).WhichOneof("response") == "request_body"
+    async with httpx.AsyncClient() as client:
+        stats = (await client.get(h.prefill.url + "/sim/stats")).json()
+    assert stats["bootstrap_queries"] == 1
+
+
+async def test_duplicate_end_of_stream_and_out_of_order_messages(h: Harness) -> None:
+    call = h.open()
+    await call.write(body_msg(CHAT))  # a body before any headers
+    assert (await recv(call)).WhichOneof("response") == "request_body"
+    await call.write(headers_msg(extra=h.target))
+    await recv(call)
+    await call.write(body_msg(CHAT))
+    assert (await recv(call)).request_body.response.HasField("body_mutation")
+    await call.write(body_msg(CHAT))  # a second end_of_stream
+    repeat = await recv(call)
+    assert repeat.WhichOneof("response") == "request_body"
+    assert not repeat.request_body.response.HasField("body_mutation")

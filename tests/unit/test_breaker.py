@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+from pdproc.breaker import CircuitBreakers
+from pdproc.targets import HostPort
+
+POD = HostPort("10.0.0.1", 8000)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_connection_failure_opens_at_once_then_one_probe() -> None:
+    clock = Clock()
+    changes: list[bool] = []
+    breakers = CircuitBreakers(5, 10.0, clock, lambda _, is_open: changes.append(is_open))
+    assert breakers.allow(POD)
+    breakers.record(POD, "connect_error")
+    assert breakers.is_open(POD)
+    assert not breakers.allow(POD)
+    clock.now += 10.0
+    assert breakers.allow(POD)  # the probe
+    assert not breakers.allow(POD)  # everyone else waits for it
+    breakers.record(POD, "2xx")
+    assert breakers.allow(POD)
+    assert changes == [True, False]
+
+
+def test_other_failures_open_after_threshold_in_a_row() -> None:
+    breakers = CircuitBreakers(3, 10.0, Clock())
+    for _ in range(2):
+        breakers.record(POD, "5xx")
+    assert breakers.allow(POD)
+    breakers.record(POD, "2xx")  # resets the run
+    for _ in range(2):
+        breakers.record(POD, "timeout")
+    assert breakers.allow(POD)
+    breakers.record(POD, "5xx")
+    assert not breakers.allow(POD)
+
+
+def test_failed_probe_reopens_and_lost_probe_retries() -> None:
+    clock = Clock()
+    breakers = CircuitBreakers(1, 5.0, clock)
+    breakers.record(POD, "5xx")
+    clock.now += 5.0
+    assert breakers.allow(POD)
+    breakers.record(POD, "5xx")
+    assert not breakers.allow(POD)
+    clock.now += 5.0
+    assert breakers.allow(POD)  # a probe whose outcome never came
+    clock.now += 5.0
+    assert breakers.allow(POD)  # leads to another probe, not a stuck breaker
+
+
+def test_client_errors_do_not_count_against_the_pod() -> None:
+    breakers = CircuitBreakers(2, 10.0, Clock())
+    for _ in range(5):
+        breakers.record(POD, "4xx")
+    assert breakers.allow(POD)

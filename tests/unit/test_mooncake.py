@@ -1,0 +1,219 @@
+"""Body rewriting, priming, engine-map parsing and rank choice: pure logic, no servers."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import orjson
+import pytest
+
+from pdproc import mooncake
+
+CHAT = {
+    "model": "Qwen/Qwen2-0.5B",
+    "messages": [{"role": "user", "content": "Hello"}],
+    "max_tokens": 50,
+}
+
+
+def primed(original: dict[str, Any], path: str = "/v1/chat/completions") -> dict[str, Any]:
+    target = dict(original)
+    mooncake.prime_single_token(path, target, original)
+    return target
+
+
+# llm-d's PrimeSingleTokenRequest cases (research/seed-system.md §4).
+def test_prime_without_token_fields_sets_max_tokens_only() -> None:
+    out = primed({"model": "m"})
+    assert out["max_tokens"] == 1
+    assert out["stream"] is False
+    assert "max_completion_tokens" not in out
+
+
+def test_prime_with_max_tokens_only() -> None:
+    out = primed({"model": "m", "max_tokens": 50})
+    assert out["max_tokens"] == 1
+    assert "max_completion_tokens" not in out
+
+
+def test_prime_with_max_completion_tokens_only_sets_both() -> None:
+    out = primed({"model": "m", "max_completion_tokens": 100})
+    assert out["max_tokens"] == 1
+    assert out["max_completion_tokens"] == 1
+
+
+def test_prime_with_both_sets_both() -> None:
+    out = primed({"model": "m", "max_tokens": 50, "max_completion_tokens": 100})
+    assert (out["max_tokens"], out["max_completion_tokens"]) == (1, 1)
+
+
+def test_prime_turns_streaming_off_and_drops_stream_options() -> None:
+    out = primed({"model": "m", "stream": True, "stream_options": {"include_usage": True}})
+    assert out["stream"] is False
+    assert "stream_options" not in out
+
+
+def test_prime_in_place_when_target_is_original() -> None:
+    body = {"model": "m", "max_completion_tokens": 7, "stream": True}
+    mooncake.prime_single_token("/v1/completions", body, body)
+    assert body["max_tokens"] == 1
+    assert body["max_completion_tokens"] == 1
+
+
+def test_prime_separate_target_leaves_original_alone() -> None:
+    original = {"max_tokens": 50}
+    target: dict[str, Any] = {}
+    mooncake.prime_single_token("/v1/chat/completions", target, original)
+    assert "max_completion_tokens" not in target
+    assert original == {"max_tokens": 50}
+
+
+# What llm-d leaves open: anything that keeps vLLM from ending the prefill length-capped.
+def test_prime_neutralises_early_stops_and_extra_sequences() -> None:
+    out = primed(
+        {"min_tokens": 5, "n": 3, "best_of": 4, "stop": ["\n"], "stop_token_ids": [2]},
+    )
+    for field in ("min_tokens", "best_of", "stop", "stop_token_ids"):
+        assert field not in out
+    assert out["n"] == 1
+    assert out["ignore_eos"] is True
+
+
+def test_prime_responses_api_caps_max_output_tokens() -> None:
+    out = primed({"input": "hi", "max_output_tokens": 300}, "/v1/responses")
+    assert out["max_output_tokens"] == 1
+
+
+def test_prime_generate_caps_sampling_params() -> None:
+    original = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 9, "min_tokens": 4}}
+    out = primed(original, "/inference/v1/generate")
+    assert out["sampling_params"]["max_tokens"] == 1
+    assert "min_tokens" not in out["sampling_params"]
+    assert original["sampling_params"] == {"max_tokens": 9, "min_tokens": 4}
+
+
+def test_prefill_body_has_prefill_params_and_is_primed() -> None:
+    body = orjson.loads(
+        mooncake.prefill_body(
+            "/v1/chat/completions",
+            {**CHAT, "max_completion_tokens": 100, "kv_transfer_params": {"evil": 1}},
+            mooncake.prefill_params("xfer-1"),
+        )
+    )
+    assert body["kv_transfer_params"] == {
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "transfer_id": "xfer-1",
+    }
+    assert (body["max_tokens"], body["max_completion_tokens"], body["stream"]) == (1, 1, False)
+    assert body["messages"] == CHAT["messages"]
+
+
+def params() -> dict[str, Any]:
+    return mooncake.decode_params("xfer-9", "http://10.0.0.1:8998", "eng-0")
+
+
+def test_decode_body_keeps_client_fields_and_sets_params() -> None:
+    raw = orjson.dumps({**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    out = orjson.loads(mooncake.decode_body(raw, orjson.loads(raw), params()))
+    assert out["kv_transfer_params"] == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": "xfer-9",
+        "remote_bootstrap_addr": "http://10.0.0.1:8998",
+        "remote_engine_id": "eng-0",
+    }
+    assert out["max_tokens"] == 50
+    assert out["stream"] is True
+    assert out["stream_options"] == {"include_usage": True}
+
+
+def test_decode_body_splice_keeps_client_bytes_exactly() -> None:
+    # Exact number spelling, key order, whitespace and unicode survive: only the tail changes.
+    raw = b'{ "model": "m", "seed": 123456789012345678901234567890, "t": 1.50, "x": "\xc3\xa9" }\n'
+    out = mooncake.decode_body(raw, mooncake.parse_body(raw), params())
+    assert out.startswith(b'{ "model": "m", "seed": 123456789012345678901234567890, "t": 1.50')
+    decoded = json.loads(out)
+    assert decoded["seed"] == 123456789012345678901234567890
+    assert decoded["kv_transfer_params"]["transfer_id"] == "xfer-9"
+
+
+def test_decode_body_of_empty_object() -> None:
+    out = mooncake.decode_body(b"{}", {}, params())
+    assert json.loads(out) == {"kv_transfer_params": params()}
+
+
+def test_decode_body_replaces_client_kv_params() -> None:
+    raw = orjson.dumps({**CHAT, "kv_transfer_params": {"remote_bootstrap_addr": "http://evil"}})
+    out = mooncake.decode_body(raw, orjson.loads(raw), params())
+    assert out.count(b"kv_transfer_params") == 1
+    assert orjson.loads(out)["kv_transfer_params"] == params()
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"not json", "invalid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'"text"', "must be a JSON object"),
+        (b"", "invalid JSON"),
+        (b'{"a": 1', "invalid JSON"),
+        (b"\xff\xfe{}", "invalid JSON"),
+    ],
+)
+def test_parse_body_rejects_non_objects(raw: bytes, message: str) -> None:
+    with pytest.raises(mooncake.BodyError, match=message):
+        mooncake.parse_body(raw)
+
+
+def test_engine_map_good() -> None:
+    payload = orjson.dumps(
+        {
+            "0": {"engine_id": "e0", "worker_addr": {"0": {"0": "tcp://10.0.0.1:5000"}}},
+            "1": {"engine_id": "e1", "worker_addr": {}},
+        }
+    )
+    assert mooncake.parse_engine_map(payload) == {0: "e0", 1: "e1"}
+
+
+def test_engine_map_skips_ranks_without_string_id_and_nulls() -> None:
+    payload = orjson.dumps(
+        {"0": {"engine_id": 42}, "1": None, "2": {"engine_id": "e2"}, "x": {"engine_id": "ex"}}
+    )
+    assert mooncake.parse_engine_map(payload) == {2: "e2"}
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b"{}", "engine_id not found"),
+        (b'{"0": {"engine_id": null}}', "engine_id not found"),
+        (b'{"0": {"worker_addr": {}}}', "engine_id not found"),
+        (b"<html>oops</html>", "failed to parse"),
+        (b"[]", "not a JSON object"),
+        (b'{"0": "e0"}', "not an object"),
+    ],
+)
+def test_engine_map_errors(payload: bytes, message: str) -> None:
+    with pytest.raises(mooncake.BootstrapError, match=message):
+        mooncake.parse_engine_map(payload)
+
+
+def test_pick_rank_prefers_fewest_in_flight() -> None:
+    engines = {0: "e0", 1: "e1", 2: "e2"}
+    assert mooncake.pick_rank(engines, {0: 3, 1: 1, 2: 2}) == (1, "e1")
+
+
+def test_pick_rank_spreads_ties_over_all_ranks() -> None:
+    engines = {0: "e0", 1: "e1"}
+    rng = random.Random(7)
+    seen = {mooncake.pick_rank(engines, {}, rng) for _ in range(50)}
+    assert seen == {(0, "e0"), (1, "e1")}
+
+
+def test_transfer_ids_are_unique_and_prefixed() -> None:
+    ids = {mooncake.new_transfer_id() for _ in range(100)}
+    assert len(ids) == 100
+    assert all(i.startswith("xfer-") and len(i) == 41 for i in ids)
