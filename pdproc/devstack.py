@@ -88,8 +88,13 @@ class Process:
         return self.popen.returncode
 
 
-def spawn(name: str, argv: Sequence[str], workdir: Path, stdout: int | IO[bytes] | None = None,
-          env: dict[str, str] | None = None) -> Process:  # fmt: skip
+def spawn(
+    name: str,
+    argv: Sequence[str],
+    workdir: Path,
+    stdout: int | IO[bytes] | None = None,
+    env: dict[str, str] | None = None,
+) -> Process:
     log_path = workdir / f"{name}.log"
     log = log_path.open("wb")
     popen = subprocess.Popen(
@@ -112,8 +117,21 @@ class SimPair:
 
 def start_sim(workdir: Path, extra: Sequence[str] = (), host: str = "127.0.0.1") -> SimPair:
     """`pdproc sim pair` on free ports; its first stdout line says where it listens."""
-    argv = [sys.executable, "-m", "pdproc.sim", "pair", "--host", host, "--prefill-port", "0",
-            "--bootstrap-port", "0", "--decode-port", "0", *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdproc.sim",
+        "pair",
+        "--host",
+        host,
+        "--prefill-port",
+        "0",
+        "--bootstrap-port",
+        "0",
+        "--decode-port",
+        "0",
+        *extra,
+    ]
     proc = spawn("sim", argv, workdir, stdout=subprocess.PIPE)
     assert proc.popen.stdout is not None
     line = proc.popen.stdout.readline()
@@ -131,14 +149,28 @@ def start_sim(workdir: Path, extra: Sequence[str] = (), host: str = "127.0.0.1")
     )
 
 
-def start_pdproc(workdir: Path, args: Sequence[str], name: str = "pdproc",
-                 host: str = "127.0.0.1", env: dict[str, str] | None = None) -> tuple[Process, HostPort, HostPort]:  # fmt: skip
+def start_pdproc(
+    workdir: Path,
+    args: Sequence[str],
+    name: str = "pdproc",
+    host: str = "127.0.0.1",
+    env: dict[str, str] | None = None,
+) -> tuple[Process, HostPort, HostPort]:
     """`pdproc serve` on free ports; returns the process, its gRPC and metrics addresses."""
     grpc_port, metrics_port = free_port(host), free_port(host)
     listen = HostPort(host, grpc_port)
     metrics = HostPort(host, metrics_port)
-    argv = [sys.executable, "-m", "pdproc.cli", "serve", "--listen", str(listen),
-            "--metrics-listen", str(metrics), *args]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdproc.cli",
+        "serve",
+        "--listen",
+        str(listen),
+        "--metrics-listen",
+        str(metrics),
+        *args,
+    ]
     proc = spawn(name, argv, workdir, env=env)
     wait_for(lambda: http_get(metrics.url() + "/readyz")[0] == 200, name, proc=proc)
     return proc, listen, metrics
@@ -176,19 +208,40 @@ class Envoy:
         return out
 
 
-def start_envoy(workdir: Path, decode: Sequence[HostPort], processors: Sequence[HostPort],
-                *, with_processor: bool = True, concurrency: int = 1, listen_port: int = 0,
-                extra_options: dict[str, Any] | None = None) -> Envoy:  # fmt: skip
+def start_envoy(
+    workdir: Path,
+    decode: Sequence[HostPort],
+    processors: Sequence[HostPort],
+    *,
+    with_processor: bool = True,
+    concurrency: int = 1,
+    listen_port: int = 0,
+    extra_options: dict[str, Any] | None = None,
+) -> Envoy:
     listen = HostPort("127.0.0.1", listen_port or free_port())
     admin = HostPort("127.0.0.1", free_port())
     options = EnvoyOptions(
-        listen=listen, processor=list(processors) or [HostPort("127.0.0.1", 9)], decode=decode,
-        admin=admin, with_processor=with_processor, access_log=True, **(extra_options or {}),
-    )  # fmt: skip
+        listen=listen,
+        processor=list(processors) or [HostPort("127.0.0.1", 9)],
+        decode=decode,
+        admin=admin,
+        with_processor=with_processor,
+        access_log=True,
+        **(extra_options or {}),
+    )
     config = workdir / f"envoy-{listen.port}.yaml"
     config.write_text(render(options), "utf-8")
-    argv = [envoy_binary(), "-c", str(config), "--use-dynamic-base-id", "--concurrency",
-            str(concurrency), "--log-level", "warning", "--disable-hot-restart"]  # fmt: skip
+    argv = [
+        envoy_binary(),
+        "-c",
+        str(config),
+        "--use-dynamic-base-id",
+        "--concurrency",
+        str(concurrency),
+        "--log-level",
+        "warning",
+        "--disable-hot-restart",
+    ]
     proc = spawn(f"envoy-{listen.port}", argv, workdir)
     wait_for(lambda: http_get(admin.url() + "/ready")[0] == 200, "envoy", proc=proc)
     wait_for(lambda: port_open(listen.host, listen.port), "envoy listener", proc=proc)
@@ -223,11 +276,48 @@ class Stack:
     def metrics_text(self) -> str:
         return http_get(self.metrics_addr.url() + "/metrics")[1].decode()
 
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of pdproc's /metrics (0 when absent), e.g. `pdproc_requests_total`."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        total = 0.0
+        for family in text_string_to_metric_families(self.metrics_text()):
+            for sample in family.samples:
+                if sample.name == name and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    total += sample.value
+        return total
+
+    def sim_get(self, role: str, path: str) -> Any:
+        """GET a /sim/* endpoint of the simulated `prefill` or `decode` server."""
+        target = self.sim.prefill if role == "prefill" else self.sim.decode
+        status, body = http_get(target.url() + path)
+        if status != 200:
+            raise RuntimeError(f"{role} {path} answered {status}")
+        return orjson.loads(body)
+
+    def sim_post(self, role: str, path: str, payload: Any = None) -> Any:
+        target = self.sim.prefill if role == "prefill" else self.sim.decode
+        request = urllib.request.Request(
+            target.url() + path,
+            data=orjson.dumps(payload if payload is not None else {}),
+            headers={"content-type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return orjson.loads(response.read())
+
 
 @contextlib.contextmanager
-def running_stack(sim_args: Sequence[str] = (), pdproc_args: Sequence[str] = (),
-                  workdir: Path | None = None, envoy_concurrency: int = 1,
-                  envoy_port: int = 0, pool: bool = False) -> Iterator[Stack]:  # fmt: skip
+def running_stack(
+    sim_args: Sequence[str] = (),
+    pdproc_args: Sequence[str] = (),
+    workdir: Path | None = None,
+    envoy_concurrency: int = 1,
+    envoy_port: int = 0,
+    pool: bool = False,
+) -> Iterator[Stack]:
     """The stack on loopback. `pool=True` makes the simulated prefill pdproc's static pool,
     so requests need no x-prefiller-host-port header."""
     with contextlib.ExitStack() as cleanup:
@@ -237,12 +327,18 @@ def running_stack(sim_args: Sequence[str] = (), pdproc_args: Sequence[str] = (),
         cleanup.callback(sim.process.stop)
         proc, addr, metrics = start_pdproc(
             workdir,
-            ["--prefill-allow", "127.0.0.1/32", "--mooncake-bootstrap-port",
-             str(sim.bootstrap.port), *(["--prefill", str(sim.prefill)] if pool else []),
-             *pdproc_args],
-        )  # fmt: skip
+            [
+                "--prefill-allow",
+                "127.0.0.1/32",
+                "--mooncake-bootstrap-port",
+                str(sim.bootstrap.port),
+                *(["--prefill", str(sim.prefill)] if pool else []),
+                *pdproc_args,
+            ],
+        )
         cleanup.callback(proc.stop)
-        envoy = start_envoy(workdir, [sim.decode], [addr], concurrency=envoy_concurrency,
-                            listen_port=envoy_port)  # fmt: skip
+        envoy = start_envoy(
+            workdir, [sim.decode], [addr], concurrency=envoy_concurrency, listen_port=envoy_port
+        )
         cleanup.callback(envoy.process.stop)
         yield Stack(workdir, sim, proc, addr, metrics, envoy)

