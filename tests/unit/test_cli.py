@@ -1,0 +1,104 @@
+"""Settings: flag > environment > YAML file > default, with clear errors."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from pdproc import __version__
+from pdproc.cli import SERVE_OPTIONS, ConfigError, build_settings, load_config_file, main, resolve
+from pdproc.config import BootstrapPolicy
+from pdproc.targets import HostPort
+
+
+def namespace(**given: object) -> argparse.Namespace:
+    values: dict[str, object] = {opt.key: None for opt in SERVE_OPTIONS}
+    values.update(given)
+    return argparse.Namespace(**values)
+
+
+def test_defaults() -> None:
+    settings = build_settings(resolve(namespace(), {}, {}))
+    assert settings.listen == "0.0.0.0:9002"
+    assert settings.bootstrap_port == 8998
+    assert settings.prefill_timeout_s == 60.0
+    assert settings.on_bootstrap_error is BootstrapPolicy.REJECT
+    assert "/v1/chat/completions" in settings.pd_paths
+
+
+def test_precedence_flag_over_env_over_file() -> None:
+    file_values = {"mooncake_bootstrap_port": 9000, "prefill_timeout": 5, "breaker_failures": 7}
+    env = {"MOONCAKE_BOOTSTRAP_PORT": "9001", "PDPROC_PREFILL_TIMEOUT": "6"}
+    values = resolve(namespace(mooncake_bootstrap_port="9002"), env, file_values)
+    assert values["mooncake_bootstrap_port"] == 9002  # flag
+    assert values["prefill_timeout"] == 6.0  # env over file
+    assert values["breaker_failures"] == 7  # file over default
+    values = resolve(namespace(), env, file_values)
+    assert values["mooncake_bootstrap_port"] == 9001
+
+
+def test_pdproc_env_name_wins_over_vllm_alias() -> None:
+    env = {"PDPROC_MOONCAKE_BOOTSTRAP_PORT": "7000", "MOONCAKE_BOOTSTRAP_PORT": "7001"}
+    assert resolve(namespace(), env, {})["mooncake_bootstrap_port"] == 7000
+
+
+def test_repeatable_settings_from_each_source(tmp_path: Path) -> None:
+    config = tmp_path / "pdproc.yaml"
+    config.write_text(
+        "prefill:\n  - 10.0.0.1:8000\n  - '[fd00::1]:8000'\nprefill-allow: 10.0.0.0/8\n"
+    )
+    file_values = load_config_file(str(config))
+    settings = build_settings(resolve(namespace(), {}, file_values))
+    assert settings.prefill_pool == (HostPort("10.0.0.1", 8000), HostPort("fd00::1", 8000))
+    env = {"PDPROC_PREFILL": "10.0.0.2:8000,10.0.0.3:8000"}
+    assert len(build_settings(resolve(namespace(), env, file_values)).prefill_pool) == 2
+    flags = namespace(prefill=["10.0.0.9:1"])
+    assert build_settings(resolve(flags, env, file_values)).prefill_pool == (
+        HostPort("10.0.0.9", 1),
+    )
+
+
+def test_unknown_file_key_is_rejected(tmp_path: Path) -> None:
+    config = tmp_path / "pdproc.yaml"
+    config.write_text("prefil: 10.0.0.1:8000\n")
+    with pytest.raises(ConfigError, match=r"unknown key.*prefil"):
+        resolve(namespace(), {}, load_config_file(str(config)))
+
+
+@pytest.mark.parametrize(
+    ("given", "env", "message"),
+    [
+        ({"prefill_timeout": "-1"}, {}, "--prefill-timeout"),
+        ({}, {"MOONCAKE_BOOTSTRAP_PORT": "70000"}, "MOONCAKE_BOOTSTRAP_PORT"),
+        ({"on_bootstrap_error": "maybe"}, {}, "--on-bootstrap-error"),
+        ({"listen": "nowhere"}, {}, "--listen"),
+    ],
+)
+def test_bad_values_name_their_source(
+    given: dict[str, str], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        resolve(namespace(**given), env, {})
+
+
+def test_serve_reports_config_errors_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("nope: 1\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "unknown key(s) in config file: nope" in capsys.readouterr().err
+
+
+def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"pdproc {__version__}"
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    for opt in SERVE_OPTIONS:
+        assert opt.flag in help_text
+    assert "PDPROC_PREFILL_TIMEOUT" in help_text
