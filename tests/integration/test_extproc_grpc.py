@@ -97,7 +97,7 @@ class Harness:
 async def eventually(check: Callable[[], Any], timeout_s: float = 10.0) -> None:
     """Wait (bounded) for a condition that depends on background work."""
     async with asyncio.timeout(timeout_s):
-        while not await _maybe_await(check()):
+        while not await _maybe_await(check()):  # noqa: ASYNC110 - polls state of other processes
             await asyncio.sleep(0.02)
 
 
@@ -228,8 +228,9 @@ async def test_pd_request_rewrites_body_and_launches_prefill(h: Harness) -> None
     third = await recv(call)
     assert third.WhichOneof("response") == "response_headers"
     await call.done_writing()
-    await eventually(lambda: h.sample("pdproc_requests_total", path="/v1/chat/completions",
-                                      outcome="pd") == 1)  # fmt: skip
+    await eventually(
+        lambda: h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="pd") == 1
+    )
 
 
 async def test_response_headers_are_held_until_the_prefill_ends(
@@ -306,8 +307,9 @@ async def test_no_target_passes_through_unchanged(h: Harness) -> None:
     await call.write(headers_msg())
     answer = await recv(call)
     assert answer.mode_override.request_body_mode == ProcessingMode.NONE
-    assert h.sample("pdproc_requests_total", path="/v1/chat/completions",
-                    outcome="passthrough") == 1  # fmt: skip
+    assert (
+        h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="passthrough") == 1
+    )
 
 
 async def test_pool_member_is_used_without_header_or_allow_list(
@@ -388,8 +390,10 @@ async def test_failed_prefill_aborts_before_response(h: Harness) -> None:
     assert error["type"] == "BadGateway"
     assert "prefill failed" in error["message"]
     assert h.sample("pdproc_decode_aborts_total", when="before_response") == 1
-    assert h.sample("pdproc_requests_total", path="/v1/chat/completions",
-                    outcome="prefill_failed") == 1  # fmt: skip
+    assert (
+        h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="prefill_failed")
+        == 1
+    )
     # The pod may have restarted: its engine ids are asked for again next time.
     assert h.sample("pdproc_engine_cache_events_total", event="invalidation") == 1
 
@@ -451,8 +455,9 @@ async def test_bootstrap_failure_decode_only_policy(make_harness: Callable[..., 
     body = orjson.loads(answer.request_body.response.body_mutation.body)
     assert "kv_transfer_params" not in body  # a client's params never reach the decode
     assert body["messages"] == CHAT["messages"]
-    assert h.sample("pdproc_requests_total", path="/v1/chat/completions",
-                    outcome="decode_only") == 1  # fmt: skip
+    assert (
+        h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="decode_only") == 1
+    )
 
 
 async def test_concurrent_misses_make_one_bootstrap_query(h: Harness) -> None:

@@ -24,9 +24,21 @@ def test_parse_host_port(value: str, expected: HostPort) -> None:
 
 @pytest.mark.parametrize(
     "value",
-    ["10.0.0.1", "fd00::1:8000", "[fd00::1]", "[nothex]:80", "host:0", "host:65536", "host:x",
-     ":80", "a b:80", "user@host:80", "host/path:80", "[fd00::1]8000"],
-)  # fmt: skip
+    [
+        "10.0.0.1",
+        "fd00::1:8000",
+        "[fd00::1]",
+        "[nothex]:80",
+        "host:0",
+        "host:65536",
+        "host:x",
+        ":80",
+        "a b:80",
+        "user@host:80",
+        "host/path:80",
+        "[fd00::1]8000",
+    ],
+)
 def test_parse_host_port_rejects(value: str) -> None:
     with pytest.raises(TargetError):
         parse_host_port(value)
