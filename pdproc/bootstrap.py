@@ -31,6 +31,7 @@ class EngineMaps:
         timeout_s: float,
         ttl_s: float,
         size: int,
+        refresh_s: float = 0.0,
     ) -> None:
         self._client = client
         self._metrics = metrics
@@ -38,6 +39,8 @@ class EngineMaps:
         self._timeout = httpx.Timeout(timeout_s)
         self._cache: TTLCache[HostPort, EngineMap] = TTLCache(maxsize=size, ttl=ttl_s)
         self._pending: dict[HostPort, asyncio.Future[EngineMap]] = {}
+        self._refresh_s = refresh_s
+        self._fetched: dict[HostPort, float] = {}
         self._hit = metrics.engine_cache.labels("hit")
         self._miss = metrics.engine_cache.labels("miss")
 
@@ -57,12 +60,21 @@ class EngineMaps:
         engines = self._cache.get(target)
         if engines is not None:
             self._hit.inc()
+            if (
+                self._refresh_s
+                and time.monotonic() - self._fetched.get(target, 0.0) > self._refresh_s
+                and target not in self._pending
+            ):
+                # Stale-while-revalidate: this request uses the cached ids, a background
+                # query picks up ids a pod registered after a restart we did not see fail.
+                self._start_query(target)
             return engines
         future = self._pending.get(target) or self._start_query(target)
         # shield: one waiter going away (its stream ended) must not cancel the shared query.
         return await asyncio.shield(future)
 
     def invalidate(self, target: HostPort) -> None:
+        self._fetched.pop(target, None)
         if self._cache.pop(target, None) is not None:
             self._metrics.engine_cache.labels("invalidation").inc()
             log.info("engine-id cache entry dropped", extra={"prefill_target": str(target)})
@@ -99,5 +111,11 @@ class EngineMaps:
         if not 200 <= response.status_code < 300:
             raise BootstrapError(f"bootstrap endpoint {url} returned status {response.status_code}")
         engines = parse_engine_map(response.content)
+        previous = self._cache.get(target)
+        if previous is not None and previous != engines:
+            log.info("engine ids changed", extra={"prefill_target": str(target)})
         self._cache[target] = engines
+        self._fetched[target] = time.monotonic()
+        if len(self._fetched) > 2 * self._cache.maxsize:
+            self._fetched = {t: self._fetched[t] for t in self._cache if t in self._fetched}
         return engines

@@ -82,6 +82,13 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     ),
     Option("--bootstrap-timeout", "Bootstrap /query timeout, seconds.", 5.0, _positive),
     Option("--engine-cache-ttl", "Lifetime of a cached engine-id map, seconds.", 60.0, _positive),
+    Option(
+        "--engine-refresh",
+        "Age after which a cached engine-id map is re-queried in the background, seconds "
+        "(0: never).",
+        5.0,
+        float,
+    ),
     Option("--prefill-timeout", "Prefill request timeout, seconds.", 60.0, _positive),
     Option(
         "--envoy-max-message-timeout",
@@ -179,6 +186,7 @@ def build_settings(values: Mapping[str, Any]) -> Settings:
         bootstrap_port=values["mooncake_bootstrap_port"],
         bootstrap_timeout_s=values["bootstrap_timeout"],
         engine_cache_ttl_s=values["engine_cache_ttl"],
+        engine_refresh_s=values["engine_refresh"],
         prefill_timeout_s=values["prefill_timeout"],
         envoy_max_message_timeout_s=values["envoy_max_message_timeout"],
         max_body_bytes=values["max_body_bytes"],

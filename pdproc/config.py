@@ -35,6 +35,9 @@ class Settings:
     # id can be served even if no prefill fails to tell us.
     engine_cache_ttl_s: float = 60.0
     engine_cache_size: int = 4096
+    # Older entries are still used but re-queried in the background, so an id change that
+    # no failure revealed (a pod restarted between two requests) is picked up quickly.
+    engine_refresh_s: float = 5.0
     prefill_timeout_s: float = 60.0
     # Must not exceed the filter's max_message_timeout, or Envoy ignores our hold request.
     envoy_max_message_timeout_s: float = 300.0
@@ -51,5 +54,7 @@ class Settings:
 
     @property
     def grpc_max_message_bytes(self) -> int:
-        # Envoy frames the buffered body in one gRPC message, plus headers and framing.
-        return self.max_body_bytes + MiB
+        # Envoy frames the buffered body in one gRPC message. Receive more than we accept, so
+        # an oversized body reaches our 413 instead of failing the stream (which Envoy's
+        # failure_mode_allow would turn into an unprocessed request).
+        return max(self.max_body_bytes + MiB, 64 * MiB)

@@ -175,6 +175,7 @@ class RequestStream:
         self._hold: asyncio.Task[None] | None = None
         self._abort: asyncio.Task[bool] | None = None
         self._busy_s = 0.0
+        self._unavailable: ErrorReply | None = None
 
     async def run(self) -> None:
         while True:
@@ -265,17 +266,34 @@ class RequestStream:
             await self._passthrough()
             return
         self._target = target
-        self._p.engines.prefetch(target)  # overlap a cache miss with Envoy sending the body
+        if self._unavailable is None:
+            self._p.engines.prefetch(target)  # overlap a cache miss with Envoy sending the body
         self._busy_s += time.perf_counter() - started
         await self._write(_CONTINUE_REQUEST_HEADERS)
 
     def _choose_target(self, header: str | None) -> HostPort | None:
-        """The header's target (if allowed), else a pool member, else None (no P/D)."""
+        """The header's target (if allowed), else a pool member, else None (no P/D).
+
+        A target whose circuit breaker is open is still returned, with `_unavailable` set:
+        the body decides between rejecting and decode-only (`--on-bootstrap-error`)."""
         target = target_from_header([header]) if header else None
         if target is None:
-            return self._p.pick_pool_member() if self._p.settings.prefill_pool else None
+            pool = self._p.settings.prefill_pool
+            if not pool:
+                return None
+            member = self._p.pick_pool_member()
+            if member is None:
+                self._unavailable = ErrorReply(
+                    ErrorKind.PREFILL_UNAVAILABLE, "every prefill pool member is failing"
+                )
+                return pool[0]
+            return member
         if target not in self._p.pool_members and not self._p.settings.allow.allows(target):
             raise PermissionError(f"prefill target {target} is not allowed")
+        if not self._p.breakers.allow(target):
+            self._unavailable = ErrorReply(
+                ErrorKind.PREFILL_UNAVAILABLE, f"prefill target {target} is failing (circuit open)"
+            )
         return target
 
     async def _passthrough(self) -> None:
@@ -309,6 +327,9 @@ class RequestStream:
             await self._reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
             return
         target = self._target
+        if self._unavailable is not None:
+            await self._no_prefill(raw, parsed, self._unavailable)
+            return
         try:
             engines = await self._p.engines.get(target)
         except mooncake.BootstrapError as exc:
@@ -375,9 +396,14 @@ class RequestStream:
         job = self._job
         if job is None:
             await self._write(_CONTINUE_RESPONSE_HEADERS)
-        elif job.task.done():
+            return
+        status = header_dict(message).get(":status", "")
+        if status.startswith("5"):
+            # A decode 5xx may be a stale engine id (the prefill pod restarted): re-query.
+            self._p.engines.invalidate(job.target)
+        if job.task.done():
             await self._settle(job)
-        elif not header_dict(message).get(":status", "").startswith("2"):
+        elif not status.startswith("2"):
             # The decode failed on its own: the client sees its error; the prefill carries on.
             await self._write(_CONTINUE_RESPONSE_HEADERS)
         else:

@@ -62,6 +62,7 @@ class ProcessorServer:
             timeout_s=s.bootstrap_timeout_s,
             ttl_s=s.engine_cache_ttl_s,
             size=s.engine_cache_size,
+            refresh_s=s.engine_refresh_s,
         )
         breakers = CircuitBreakers(
             s.breaker_failures, s.breaker_cooldown_s, on_change=self._breaker_changed
