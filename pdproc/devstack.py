@@ -317,24 +317,26 @@ def running_stack(
     envoy_concurrency: int = 1,
     envoy_port: int = 0,
     pool: bool = False,
+    host: str = "127.0.0.1",
 ) -> Iterator[Stack]:
     """The stack on loopback. `pool=True` makes the simulated prefill pdproc's static pool,
     so requests need no x-prefiller-host-port header."""
     with contextlib.ExitStack() as cleanup:
         if workdir is None:
             workdir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="pdproc-")))
-        sim = start_sim(workdir, sim_args)
+        sim = start_sim(workdir, sim_args, host=host)
         cleanup.callback(sim.process.stop)
         proc, addr, metrics = start_pdproc(
             workdir,
             [
                 "--prefill-allow",
-                "127.0.0.1/32",
+                "::1/128" if ":" in host else "127.0.0.1/32",
                 "--mooncake-bootstrap-port",
                 str(sim.bootstrap.port),
                 *(["--prefill", str(sim.prefill)] if pool else []),
                 *pdproc_args,
             ],
+            host=host,
         )
         cleanup.callback(proc.stop)
         envoy = start_envoy(

@@ -49,6 +49,11 @@ class EnvoyOptions:
     failure_mode_allow: bool = True
 
 
+def _cluster_type(targets: Sequence[HostPort]) -> str:
+    """STATIC for IP literals; names (a headless Service, pod DNS) are re-resolved."""
+    return "STATIC" if all(t.ip is not None for t in targets) else "STRICT_DNS"
+
+
 def _endpoints(targets: Sequence[HostPort]) -> str:
     return "\n".join(
         f'        - endpoint: {{address: {{socket_address: {{address: "{t.host}", '
@@ -82,6 +87,8 @@ def render(options: EnvoyOptions) -> str:
         failure_mode_allow="true" if options.failure_mode_allow else "false",
         message_timeout_s=_seconds(options.message_timeout_s),
         max_message_timeout_s=_seconds(options.max_message_timeout_s),
+        decode_type=_cluster_type(options.decode),
+        processor_type=_cluster_type(options.processor),
         decode_endpoints=_endpoints(options.decode),
         processor_endpoints=_endpoints(options.processor),
     )

@@ -1,0 +1,195 @@
+"""Fault injection through a real Envoy: every failure is fast, clear and accounted for.
+
+Time bounds here are generous upper limits that prove "seconds, not vLLM's 480 s", never
+performance assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from pdproc.devstack import Stack, free_port, running_stack
+
+from .conftest import eventually, ext_proc_errors
+
+pytestmark = pytest.mark.e2e
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+FAST = 10.0  # seconds: the bound that separates "fails fast" from "waits for the KV timeout"
+OUTCOMES = (
+    "pd", "passthrough", "decode_only", "bad_request", "forbidden", "too_large",
+    "bootstrap_error", "prefill_failed", "prefill_timeout", "prefill_unavailable",
+    "shutting_down", "internal_error",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    sim = ["--dp-ranks", "2", "--kv-timeout-s", "60", "--itl-ms", "5"]
+    pdproc = ["--prefill-timeout", "2", "--bootstrap-timeout", "1", "--breaker-cooldown", "1",
+              "--max-body-bytes", str(1024 * 1024), "--engine-refresh", "0"]  # fmt: skip
+    with running_stack(sim, pdproc) as st:
+        yield st
+
+
+@pytest.fixture
+def fresh(stack: Stack) -> Stack:
+    for role in ("prefill", "decode"):
+        stack.sim_post(role, "/sim/faults", {"clear": True})
+        stack.sim_post(role, "/sim/reset")
+    return stack
+
+
+def request(stack: Stack, prefill: str | None = None, **body: Any) -> tuple[httpx.Response, float]:
+    headers = {"x-prefiller-host-port": prefill or str(stack.sim.prefill)}
+    started = time.monotonic()
+    response = httpx.post(
+        stack.envoy.url + "/v1/chat/completions",
+        json={**CHAT, **body},
+        headers=headers,
+        timeout=120,
+    )
+    return response, time.monotonic() - started
+
+
+def outcome_counts(stack: Stack) -> dict[str, float]:
+    return {o: stack.metric("pdproc_requests_total", outcome=o) for o in OUTCOMES}
+
+
+def test_prefill_500_is_a_fast_502(fresh: Stack) -> None:
+    fresh.sim_post("prefill", "/sim/faults", {"prefill_status": 500})
+    response, elapsed = request(fresh, stream=True)
+    assert response.status_code == 502
+    assert response.json()["type"] == "BadGateway"
+    assert elapsed < FAST
+    eventually(lambda: fresh.sim_get("decode", "/sim/stats")["cancelled"] >= 1)
+
+
+def test_prefill_hang_times_out_with_504_and_cancels_decode(fresh: Stack) -> None:
+    fresh.sim_post("prefill", "/sim/faults", {"prefill_hang": True})
+    response, elapsed = request(fresh, stream=True)
+    assert response.status_code == 504
+    body = response.json()
+    assert body["type"] == "GatewayTimeout"
+    assert "prefill timed out" in body["message"]
+    assert elapsed < FAST  # --prefill-timeout 2 s, not the decode's 60 s KV timeout
+    eventually(lambda: fresh.sim_get("decode", "/sim/stats")["cancelled"] >= 1)
+
+
+def test_refused_prefill_opens_the_breaker(fresh: Stack) -> None:
+    # Its bootstrap server answers (same host) but nothing listens on the prefill port.
+    dead = f"127.0.0.1:{free_port()}"
+    before = fresh.metric("pdproc_prefills_total", outcome="connect_error")
+    response, elapsed = request(fresh, prefill=dead)
+    assert response.status_code == 502
+    assert elapsed < FAST
+    assert fresh.metric("pdproc_prefills_total", outcome="connect_error") == before + 1
+    # The pod is known down: later requests fail at once, without trying it again.
+    for _ in range(3):
+        response, elapsed = request(fresh, prefill=dead)
+        assert response.status_code == 503
+        assert response.json()["type"] == "ServiceUnavailable"
+    assert fresh.metric("pdproc_prefills_total", outcome="connect_error") == before + 1
+    assert fresh.metric("pdproc_prefill_breaker_open", target=dead) == 1
+    # After the cooldown one probe goes through (and fails again: still down).
+    time.sleep(1.2)
+    response, _ = request(fresh, prefill=dead)
+    assert response.status_code == 502
+    assert fresh.metric("pdproc_prefills_total", outcome="connect_error") == before + 2
+
+
+def test_bootstrap_slow_gets_502_after_the_bootstrap_timeout(fresh: Stack) -> None:
+    fresh.sim_post("prefill", "/sim/faults", {"bootstrap": "slow", "bootstrap_delay_s": 5})
+    uncached = f"127.0.0.1:{fresh.sim.decode.port}"  # a cache miss on the faulty bootstrap
+    response, elapsed = request(fresh, prefill=uncached)
+    assert response.status_code == 502
+    assert "timed out" in response.json()["message"]
+    assert elapsed < FAST
+    assert fresh.sim_get("decode", "/sim/requests")["requests"] == []
+
+
+def test_engine_id_change_is_picked_up(fresh: Stack) -> None:
+    assert request(fresh)[0].status_code == 200  # engine map cached
+    fresh.sim_post("prefill", "/sim/restart")  # the pod restarted: new engine ids
+    statuses = [request(fresh)[0].status_code for _ in range(4)]
+    # The first request after the restart still carries a stale id: its decode fails and
+    # that failure drops the cached map, so the next one works.
+    assert statuses[-2:] == [200, 200], statuses
+    assert statuses.count(200) >= 3, statuses
+    new_ids = set(fresh.sim_get("prefill", "/sim/stats")["engine_ids"].values())
+    last = fresh.sim_get("decode", "/sim/requests")["requests"][-1]
+    assert last["body"]["kv_transfer_params"]["remote_engine_id"] in new_ids
+
+
+def test_decode_down_gets_an_error_and_the_prefill_is_counted(fresh: Stack) -> None:
+    fresh.sim_post("decode", "/sim/faults", {"status": 503})
+    before = fresh.metric("pdproc_prefills_total", outcome="2xx")
+    response, elapsed = request(fresh)
+    assert response.status_code == 503
+    assert elapsed < FAST
+    eventually(lambda: fresh.metric("pdproc_prefills_total", outcome="2xx") == before + 1)
+
+
+def test_oversized_bodies_get_json_413(fresh: Stack) -> None:
+    # Past pdproc's --max-body-bytes (1 MiB): pdproc answers.
+    response, _ = request(fresh, prompt="x" * (2 * 1024 * 1024))
+    assert response.status_code == 413
+    assert response.json()["type"] == "RequestTooLargeError"
+    # Past Envoy's buffer limit (16 MiB): Envoy answers, in the same JSON shape.
+    response, _ = request(fresh, prompt="x" * (17 * 1024 * 1024))
+    assert response.status_code == 413
+    assert response.headers["content-type"] == "application/json"
+    assert response.json()["type"] == "RequestTooLargeError"
+    assert fresh.sim_get("decode", "/sim/requests")["requests"] == []
+
+
+def test_soak_2000_requests_with_random_prefill_faults(fresh: Stack) -> None:
+    """2,000 requests at concurrency 50, 5 % of prefills failing: every request is answered
+    (200, or 502 for its failed prefill), none hangs, and pdproc's counters add up."""
+    fresh.sim_post("prefill", "/sim/faults", {"prefill_fail_rate": 0.05})
+    before = outcome_counts(fresh)
+    rng = random.Random(1)
+
+    async def run() -> list[int]:
+        gate = asyncio.Semaphore(50)
+        limits = httpx.Limits(max_connections=50)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+
+            async def one(i: int) -> int:
+                async with gate:
+                    response = await client.post(
+                        fresh.envoy.url + "/v1/chat/completions",
+                        json={**CHAT, "max_tokens": 2, "stream": rng.random() < 0.5},
+                        headers={"x-prefiller-host-port": str(fresh.sim.prefill)},
+                    )
+                    await response.aread()
+                    return response.status_code
+
+            async with asyncio.timeout(240):
+                return await asyncio.gather(*(one(i) for i in range(2000)))
+
+    statuses = asyncio.run(run())
+    ok, failed = statuses.count(200), statuses.count(502)
+    assert ok + failed == 2000, {s: statuses.count(s) for s in set(statuses)}
+    assert 20 <= failed <= 250  # about 5 %
+
+    def all_counted() -> dict[str, float] | None:
+        counts = outcome_counts(fresh)
+        return counts if sum(counts.values()) - sum(before.values()) == 2000 else None
+
+    after = eventually(all_counted)
+    delta = {k: after[k] - before[k] for k in OUTCOMES if after[k] != before[k]}
+    assert delta == {"pd": ok, "prefill_failed": failed}
+    assert fresh.metric("pdproc_prefills_in_flight") == 0
+    assert fresh.metric("pdproc_streams_active") == 0
+
+
+def test_no_ext_proc_protocol_errors(stack: Stack) -> None:
+    assert set(ext_proc_errors(stack).values()) == {0}
