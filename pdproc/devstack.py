@@ -155,24 +155,18 @@ def start_pdproc(
     name: str = "pdproc",
     host: str = "127.0.0.1",
     env: dict[str, str] | None = None,
+    listen: HostPort | None = None,
+    metrics: HostPort | None = None,
 ) -> tuple[Process, HostPort, HostPort]:
-    """`pdproc serve` on free ports; returns the process, its gRPC and metrics addresses."""
-    grpc_port, metrics_port = free_port(host), free_port(host)
-    listen = HostPort(host, grpc_port)
-    metrics = HostPort(host, metrics_port)
-    argv = [
-        sys.executable,
-        "-m",
-        "pdproc.cli",
-        "serve",
-        "--listen",
-        str(listen),
-        "--metrics-listen",
-        str(metrics),
-        *args,
-    ]
+    """`pdproc serve` (on free ports unless given); returns the process, its gRPC and
+    metrics addresses once it reports ready."""
+    listen = listen or HostPort(host, free_port(host))
+    metrics = metrics or HostPort(host, free_port(host))
+    argv = [sys.executable, "-m", "pdproc.cli", "serve", "--listen", str(listen)]
+    argv += ["--metrics-listen", str(metrics), *args]
     proc = spawn(name, argv, workdir, env=env)
-    wait_for(lambda: http_get(metrics.url() + "/readyz")[0] == 200, name, proc=proc)
+    metrics_url = metrics.url()
+    wait_for(lambda: http_get(metrics_url + "/readyz")[0] == 200, name, proc=proc)
     return proc, listen, metrics
 
 
@@ -267,6 +261,7 @@ class Stack:
     pdproc_addr: HostPort
     metrics_addr: HostPort
     envoy: Envoy
+    pdproc_args: list[str] = field(default_factory=list)
     extra: list[Process] = field(default_factory=list)
 
     def stop(self) -> None:
@@ -326,21 +321,13 @@ def running_stack(
             workdir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="pdproc-")))
         sim = start_sim(workdir, sim_args, host=host)
         cleanup.callback(sim.process.stop)
-        proc, addr, metrics = start_pdproc(
-            workdir,
-            [
-                "--prefill-allow",
-                "::1/128" if ":" in host else "127.0.0.1/32",
-                "--mooncake-bootstrap-port",
-                str(sim.bootstrap.port),
-                *(["--prefill", str(sim.prefill)] if pool else []),
-                *pdproc_args,
-            ],
-            host=host,
-        )
+        args = ["--prefill-allow", "::1/128" if ":" in host else "127.0.0.1/32"]
+        args += ["--mooncake-bootstrap-port", str(sim.bootstrap.port)]
+        args += [*(["--prefill", str(sim.prefill)] if pool else []), *pdproc_args]
+        proc, addr, metrics = start_pdproc(workdir, args, host=host)
         cleanup.callback(proc.stop)
         envoy = start_envoy(
             workdir, [sim.decode], [addr], concurrency=envoy_concurrency, listen_port=envoy_port
         )
         cleanup.callback(envoy.process.stop)
-        yield Stack(workdir, sim, proc, addr, metrics, envoy)
+        yield Stack(workdir, sim, proc, addr, metrics, envoy, args)
