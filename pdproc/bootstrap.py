@@ -13,10 +13,12 @@ import time
 
 import httpx
 from cachetools import TTLCache
+from opentelemetry.trace import Span, SpanKind
 
 from pdproc.metrics import Metrics
 from pdproc.mooncake import BootstrapError, EngineMap, parse_engine_map
 from pdproc.targets import HostPort
+from pdproc.telemetry import ATTR_CACHE, ATTR_ENGINES, ATTR_TARGET, Tracing, fail
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,7 @@ class EngineMaps:
         ttl_s: float,
         size: int,
         refresh_s: float = 0.0,
+        tracing: Tracing | None = None,
     ) -> None:
         self._client = client
         self._metrics = metrics
@@ -40,6 +43,7 @@ class EngineMaps:
         self._cache: TTLCache[HostPort, EngineMap] = TTLCache(maxsize=size, ttl=ttl_s)
         self._pending: dict[HostPort, asyncio.Future[EngineMap]] = {}
         self._refresh_s = refresh_s
+        self._tracing = tracing or Tracing(None)
         self._fetched: dict[HostPort, float] = {}
         self._hit = metrics.engine_cache.labels("hit")
         self._miss = metrics.engine_cache.labels("miss")
@@ -51,12 +55,12 @@ class EngineMaps:
     def cached(self, target: HostPort) -> EngineMap | None:
         return self._cache.get(target)
 
-    def prefetch(self, target: HostPort) -> None:
+    def prefetch(self, target: HostPort, span: Span | None = None) -> None:
         """Start a lookup early (while Envoy is still sending the body) if one is needed."""
         if target not in self._cache and target not in self._pending:
-            self._start_query(target)
+            self._start_query(target, span)
 
-    async def get(self, target: HostPort) -> EngineMap:
+    async def get(self, target: HostPort, span: Span | None = None) -> EngineMap:
         engines = self._cache.get(target)
         if engines is not None:
             self._hit.inc()
@@ -69,7 +73,7 @@ class EngineMaps:
                 # query picks up ids a pod registered after a restart we did not see fail.
                 self._start_query(target)
             return engines
-        future = self._pending.get(target) or self._start_query(target)
+        future = self._pending.get(target) or self._start_query(target, span)
         # shield: one waiter going away (its stream ended) must not cancel the shared query.
         return await asyncio.shield(future)
 
@@ -79,9 +83,12 @@ class EngineMaps:
             self._metrics.engine_cache.labels("invalidation").inc()
             log.info("engine-id cache entry dropped", extra={"prefill_target": str(target)})
 
-    def _start_query(self, target: HostPort) -> asyncio.Future[EngineMap]:
+    def _start_query(
+        self, target: HostPort, parent: Span | None = None
+    ) -> asyncio.Future[EngineMap]:
         self._miss.inc()
-        task = asyncio.get_running_loop().create_task(self._query(target))
+        span = self._tracing.child_span(parent, "pdproc.bootstrap", SpanKind.CLIENT)
+        task = asyncio.get_running_loop().create_task(self._traced_query(target, span))
         self._pending[target] = task
         task.add_done_callback(lambda done: self._settled(target, done))
         return task
@@ -92,6 +99,22 @@ class EngineMaps:
         # reach) a request through get(), so asyncio need not report it again.
         if not task.cancelled():
             task.exception()
+
+    async def _traced_query(self, target: HostPort, span: Span | None) -> EngineMap:
+        if span is None:
+            return await self._query(target)
+        span.set_attribute(ATTR_TARGET, str(target))
+        span.set_attribute(ATTR_CACHE, "miss")
+        try:
+            engines = await self._query(target)
+        except BootstrapError as exc:
+            fail(span, str(exc))
+            raise
+        else:
+            span.set_attribute(ATTR_ENGINES, len(engines))
+            return engines
+        finally:
+            span.end()
 
     async def _query(self, target: HostPort) -> EngineMap:
         url = self.bootstrap_addr(target) + "/query"

@@ -330,4 +330,7 @@ def running_stack(
             workdir, [sim.decode], [addr], concurrency=envoy_concurrency, listen_port=envoy_port
         )
         cleanup.callback(envoy.process.stop)
-        yield Stack(workdir, sim, proc, addr, metrics, envoy, args)
+        stack = Stack(workdir, sim, proc, addr, metrics, envoy, args)
+        # Processes a test adds (a restarted pdproc ...) stop with the rest.
+        cleanup.callback(lambda: [p.stop() for p in stack.extra])
+        yield stack

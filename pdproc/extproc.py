@@ -26,6 +26,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
+from opentelemetry.trace import Span
 
 from pdproc import mooncake
 from pdproc.bootstrap import EngineMaps
@@ -35,6 +36,15 @@ from pdproc.metrics import Metrics
 from pdproc.openai import ErrorKind, ErrorReply
 from pdproc.prefill import PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.targets import PREFILL_HEADER, HostPort, TargetError, target_from_header
+from pdproc.telemetry import (
+    ATTR_ENGINE_ID,
+    ATTR_OUTCOME,
+    ATTR_RANK,
+    ATTR_TARGET,
+    ATTR_TRANSFER_ID,
+    Tracing,
+    fail,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +114,10 @@ class Processor:
         launcher: PrefillLauncher,
         breakers: CircuitBreakers,
         metrics: Metrics,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
+        self.tracing = tracing or Tracing(None)
         self.engines = engines
         self.launcher = launcher
         self.breakers = breakers
@@ -176,6 +188,7 @@ class RequestStream:
         self._abort: asyncio.Task[bool] | None = None
         self._busy_s = 0.0
         self._unavailable: ErrorReply | None = None
+        self._span: Span | None = None
 
     async def run(self) -> None:
         while True:
@@ -187,6 +200,12 @@ class RequestStream:
     def close(self) -> None:
         if self._hold is not None and not self._hold.done():
             self._hold.cancel()  # the client left; the prefill itself carries on
+        if self._span is not None:
+            self._span.end()
+
+    def _trace_outcome(self, outcome: str) -> None:
+        if self._span is not None:
+            self._span.set_attribute(ATTR_OUTCOME, outcome)
 
     async def _dispatch(self, message: pb.ProcessingRequest) -> None:
         if self._finished:
@@ -224,6 +243,8 @@ class RequestStream:
     async def _reject(self, reply: ErrorReply) -> None:
         """Answer the request ourselves; the request ends here and is counted here."""
         self._p.count(self._path, reply.kind.value)
+        self._trace_outcome(reply.kind.value)
+        fail(self._span, reply.message)
         log.warning(
             "request rejected: %s",
             reply.message,
@@ -246,6 +267,7 @@ class RequestStream:
             return
         headers = self._headers = header_dict(message)
         self._path = headers.get(":path", "").split("?", 1)[0]
+        self._span = self._p.tracing.request_span(headers, self._path, headers.get(":method", ""))
         if (
             message.end_of_stream
             or self._p.draining
@@ -267,7 +289,9 @@ class RequestStream:
             return
         self._target = target
         if self._unavailable is None:
-            self._p.engines.prefetch(target)  # overlap a cache miss with Envoy sending the body
+            self._p.engines.prefetch(
+                target, self._span
+            )  # overlap a cache miss with Envoy sending the body
         self._busy_s += time.perf_counter() - started
         await self._write(_CONTINUE_REQUEST_HEADERS)
 
@@ -298,6 +322,7 @@ class RequestStream:
 
     async def _passthrough(self) -> None:
         self._p.count(self._path, "passthrough")
+        self._trace_outcome("passthrough")
         await self._write(_PASSTHROUGH)
 
     # -- request body ---------------------------------------------------------------------
@@ -331,7 +356,7 @@ class RequestStream:
             await self._no_prefill(raw, parsed, self._unavailable)
             return
         try:
-            engines = await self._p.engines.get(target)
+            engines = await self._p.engines.get(target, self._span)
         except mooncake.BootstrapError as exc:
             self._p.breakers.record(target, POD_DOWN if exc.pod_down else "bootstrap")
             await self._no_prefill(raw, parsed, ErrorReply(ErrorKind.BOOTSTRAP, str(exc)))
@@ -351,7 +376,14 @@ class RequestStream:
             path=self._path,
             parsed=parsed,
             client_headers=self._headers,
+            parent_span=self._span,
         )
+        if self._span is not None:
+            self._trace_outcome("pd")
+            self._span.set_attribute(ATTR_TARGET, str(target))
+            self._span.set_attribute(ATTR_TRANSFER_ID, transfer_id)
+            self._span.set_attribute(ATTR_RANK, rank)
+            self._span.set_attribute(ATTR_ENGINE_ID, engine_id)
         job.task.add_done_callback(self._on_prefill_done)
         self._busy_s += time.perf_counter() - started
         self._p.metrics.processing_seconds.observe(self._busy_s)
@@ -368,6 +400,7 @@ class RequestStream:
             extra={"path": self._path, "outcome": "decode_only"},
         )
         self._p.count(self._path, "decode_only")
+        self._trace_outcome("decode_only")
         # A client's kv_transfer_params must never reach the decode (it could point the
         # decode pod at any address), even when the request is not disaggregated.
         if mooncake.KV_PARAMS in parsed:
@@ -387,6 +420,8 @@ class RequestStream:
         outcome = _outcome(task)
         if not outcome.ok:
             self._p.metrics.aborts.labels("before_response").inc()
+            self._trace_outcome(_prefill_error(outcome).kind.value)
+            fail(self._span, outcome.error or outcome.outcome)
             self._abort = asyncio.get_running_loop().create_task(
                 self._write(immediate(_prefill_error(outcome)))
             )
@@ -427,6 +462,8 @@ class RequestStream:
             await self._write(_CONTINUE_RESPONSE_HEADERS)
             return
         self._p.metrics.aborts.labels("held" if held else "before_response").inc()
+        self._trace_outcome(_prefill_error(outcome).kind.value)
+        fail(self._span, outcome.error or outcome.outcome)
         await self._write(immediate(_prefill_error(outcome)))
 
 

@@ -17,10 +17,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from opentelemetry.trace import Span, SpanKind
 
 from pdproc import mooncake
 from pdproc.metrics import Metrics
 from pdproc.targets import HostPort
+from pdproc.telemetry import (
+    ATTR_DURATION_MS,
+    ATTR_ENGINE_ID,
+    ATTR_PREFILL_OUTCOME,
+    ATTR_RANK,
+    ATTR_STATUS,
+    ATTR_TARGET,
+    ATTR_TRANSFER_ID,
+    Tracing,
+    fail,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +95,7 @@ class PrefillJob:
     path: str
     started: float
     task: asyncio.Task[PrefillOutcome]
+    span: Span | None = None
 
 
 OutcomeHook = Callable[[PrefillJob, PrefillOutcome], None]
@@ -96,11 +109,13 @@ class PrefillLauncher:
         *,
         timeout_s: float,
         on_outcome: OutcomeHook | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._client = client
         self._metrics = metrics
         self._timeout_s = timeout_s
         self._on_outcome = on_outcome
+        self._tracing = tracing or Tracing(None)
         self._tasks: set[asyncio.Task[PrefillOutcome]] = set()
         self._per_target: Counter[HostPort] = Counter()
         self._per_rank: dict[HostPort, Counter[int]] = {}
@@ -132,14 +147,23 @@ class PrefillLauncher:
         path: str,
         parsed: dict[str, Any],
         client_headers: Mapping[str, str],
+        parent_span: Span | None = None,
     ) -> PrefillJob:
         started = time.perf_counter()
+        headers = prefill_headers(client_headers, rank)
+        span = self._tracing.child_span(parent_span, "pdproc.prefill", SpanKind.CLIENT)
+        if span is not None:
+            span.set_attribute(ATTR_TARGET, str(target))
+            span.set_attribute(ATTR_RANK, rank)
+            span.set_attribute(ATTR_ENGINE_ID, engine_id)
+            span.set_attribute(ATTR_TRANSFER_ID, transfer_id)
+            self._tracing.inject(span, headers)
         self._per_target[target] += 1
         self._per_rank.setdefault(target, Counter())[rank] += 1
         self._metrics.prefills_in_flight.labels(str(target)).inc()
         # The body is built inside the task: off the request path, after the decode body has
         # been handed back to Envoy.
-        coro = self._run(target, rank, transfer_id, path, parsed, client_headers, started)
+        coro = self._run(target, transfer_id, path, parsed, headers, started)
         task = asyncio.get_running_loop().create_task(coro, name=f"prefill {transfer_id}")
         job = PrefillJob(
             target,
@@ -150,6 +174,7 @@ class PrefillLauncher:
             path,
             started,
             task,
+            span,
         )
         self._tasks.add(task)
         task.add_done_callback(lambda _: self._finished(job))
@@ -158,18 +183,17 @@ class PrefillLauncher:
     async def _run(
         self,
         target: HostPort,
-        rank: int,
         transfer_id: str,
         path: str,
         parsed: dict[str, Any],
-        client_headers: Mapping[str, str],
+        headers: dict[str, str],
         started: float,
     ) -> PrefillOutcome:
         try:
             body = mooncake.prefill_body(path, parsed, mooncake.prefill_params(transfer_id))
             async with asyncio.timeout(self._timeout_s):
                 response = await self._client.post(
-                    target.url() + path, content=body, headers=prefill_headers(client_headers, rank)
+                    target.url() + path, content=body, headers=headers
                 )
         except TimeoutError:
             return PrefillOutcome(
@@ -205,6 +229,14 @@ class PrefillLauncher:
             outcome = PrefillOutcome("error", time.perf_counter() - job.started, error="cancelled")
         else:
             outcome = job.task.result()
+        if job.span is not None:
+            job.span.set_attribute(ATTR_PREFILL_OUTCOME, outcome.outcome)
+            job.span.set_attribute(ATTR_DURATION_MS, round(outcome.duration_s * 1000, 3))
+            if outcome.status is not None:
+                job.span.set_attribute(ATTR_STATUS, outcome.status)
+            if not outcome.ok:
+                fail(job.span, outcome.error or outcome.outcome)
+            job.span.end()
         self._metrics.prefills.labels(outcome.outcome).inc()
         self._metrics.prefill_seconds.observe(outcome.duration_s)
         fields = {

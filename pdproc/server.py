@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from contextlib import suppress
 
 import grpc
 import httpx
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdproc.bootstrap import EngineMaps
@@ -22,6 +22,7 @@ from pdproc.extproc import ExtProcService, Processor
 from pdproc.metrics import Metrics
 from pdproc.prefill import PrefillLauncher
 from pdproc.targets import HostPort
+from pdproc.telemetry import Tracing, provider_from_env
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +32,16 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 class ProcessorServer:
     """One pdproc instance: start(), then stop() (or serve_forever() for the CLI)."""
 
-    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        tracer_provider: TracerProvider | None = None,
+    ) -> None:
         self.settings = settings
         self.metrics = metrics or Metrics()
+        self._tracer_provider = tracer_provider
+        self.tracing = Tracing(tracer_provider)
         self.port = 0
         self.metrics_port = 0
         self.draining = False
@@ -63,17 +71,15 @@ class ProcessorServer:
             ttl_s=s.engine_cache_ttl_s,
             size=s.engine_cache_size,
             refresh_s=s.engine_refresh_s,
+            tracing=self.tracing,
         )
         breakers = CircuitBreakers(
             s.breaker_failures, s.breaker_cooldown_s, on_change=self._breaker_changed
         )
-        processor = Processor(
-            s,
-            engines,
-            PrefillLauncher(self._client, self.metrics, timeout_s=s.prefill_timeout_s),
-            breakers,
-            self.metrics,
+        launcher = PrefillLauncher(
+            self._client, self.metrics, timeout_s=s.prefill_timeout_s, tracing=self.tracing
         )
+        processor = Processor(s, engines, launcher, breakers, self.metrics, self.tracing)
         processor.launcher.set_hook(processor.on_prefill_outcome)
         self.processor = processor
 
@@ -157,6 +163,8 @@ class ProcessorServer:
             await self._client.aclose()
         if self._web is not None:
             await self._web.cleanup()
+        if self._tracer_provider is not None:
+            self._tracer_provider.shutdown()  # flush the spans still queued
         log.info("pdproc stopped", extra={"abandoned_prefills": left})
         return left
 
@@ -179,10 +187,9 @@ def _text(status: int, text: str) -> web.Response:
 
 def run(settings: Settings) -> int:
     """Run one server until SIGTERM/SIGINT, on uvloop when it is installed."""
+    server = ProcessorServer(settings, tracer_provider=provider_from_env())
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(ProcessorServer(settings).serve_forever())
-    with suppress(AttributeError):
-        return uvloop.run(ProcessorServer(settings).serve_forever())
-    return asyncio.run(ProcessorServer(settings).serve_forever())
+        return asyncio.run(server.serve_forever())
+    return uvloop.run(server.serve_forever())

@@ -13,9 +13,7 @@ import grpc
 import httpx
 import orjson
 import pytest
-from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -24,38 +22,7 @@ from pdproc.server import ProcessorServer
 from pdproc.sim import PrefillConfig, RunningPrefill, start_prefill
 from pdproc.targets import AllowList
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 50}
-
-
-def headers_msg(
-    path: str = "/v1/chat/completions",
-    method: str = "POST",
-    extra: dict[str, str] | None = None,
-    end_of_stream: bool = False,
-) -> pb.ProcessingRequest:
-    values = {":method": method, ":path": path, ":authority": "gw", "x-request-id": "req-1"}
-    values.update(extra or {})
-    return pb.ProcessingRequest(
-        request_headers=pb.HttpHeaders(
-            headers=HeaderMap(
-                headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
-            ),
-            end_of_stream=end_of_stream,
-        )
-    )
-
-
-def body_msg(body: bytes | dict[str, Any], end_of_stream: bool = True) -> pb.ProcessingRequest:
-    raw = body if isinstance(body, bytes) else orjson.dumps(body)
-    return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=end_of_stream))
-
-
-def response_headers_msg(status: str = "200") -> pb.ProcessingRequest:
-    return pb.ProcessingRequest(
-        response_headers=pb.HttpHeaders(
-            headers=HeaderMap(headers=[HeaderValue(key=":status", raw_value=status.encode())])
-        )
-    )
+from .messages import CHAT, body_msg, headers_msg, recv, response_headers_msg
 
 
 class Harness:
@@ -97,20 +64,12 @@ class Harness:
 async def eventually(check: Callable[[], Any], timeout_s: float = 10.0) -> None:
     """Wait (bounded) for a condition that depends on background work."""
     async with asyncio.timeout(timeout_s):
-        while not await _maybe_await(check()):  # noqa: ASYNC110 - polls state of other processes
+        while not await _maybe_await(check()):
             await asyncio.sleep(0.02)
 
 
 async def _maybe_await(value: Any) -> Any:
     return await value if asyncio.iscoroutine(value) else value
-
-
-async def recv(call: Any, timeout_s: float = 10.0) -> pb.ProcessingResponse:
-    async with asyncio.timeout(timeout_s):
-        message = await call.read()
-    assert message is not grpc.aio.EOF
-    assert isinstance(message, pb.ProcessingResponse)
-    return message
 
 
 @pytest.fixture

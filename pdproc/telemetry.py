@@ -1,0 +1,108 @@
+"""Tracing: one span per request, children for the bootstrap query and the prefill.
+
+Configured by the standard OpenTelemetry environment variables: `OTEL_TRACES_EXPORTER`
+(`otlp`, `console` or `none`, the default), `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL`
+(`grpc` default, or `http/protobuf`), `OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`,
+`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER[_ARG]`. With no
+exporter nothing is recorded and the hot path pays one attribute check.
+
+Spans are parented on the W3C trace context Envoy forwards (`traceparent`) and the prefill
+span's context is propagated into the prefill request.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from pdproc import __version__
+
+# Attribute names. Where llm-d's sidecar has the same fact its name is given in README.
+ATTR_PATH = "url.path"
+ATTR_METHOD = "http.request.method"
+ATTR_REQUEST_ID = "pdproc.request_id"
+ATTR_OUTCOME = "pdproc.outcome"
+ATTR_TARGET = "pdproc.prefill.target"
+ATTR_TRANSFER_ID = "pdproc.transfer_id"
+ATTR_RANK = "pdproc.dp_rank"
+ATTR_ENGINE_ID = "pdproc.engine_id"
+ATTR_STATUS = "http.response.status_code"
+ATTR_PREFILL_OUTCOME = "pdproc.prefill.outcome"
+ATTR_DURATION_MS = "pdproc.duration_ms"
+ATTR_CACHE = "pdproc.bootstrap.cache"
+ATTR_ENGINES = "pdproc.bootstrap.engines"
+
+
+class Tracing:
+    """Spans for the processor, or nothing at all when tracing is off."""
+
+    def __init__(self, provider: trace.TracerProvider | None) -> None:
+        self.enabled = provider is not None
+        self._tracer = (provider or trace.NoOpTracerProvider()).get_tracer("pdproc", __version__)
+
+    def request_span(self, headers: Mapping[str, str], path: str, method: str) -> Span | None:
+        if not self.enabled:
+            return None
+        parent = propagate.extract(headers)
+        span = self._tracer.start_span("pdproc.request", context=parent, kind=SpanKind.SERVER)
+        span.set_attribute(ATTR_PATH, path)
+        span.set_attribute(ATTR_METHOD, method)
+        span.set_attribute(ATTR_REQUEST_ID, headers.get("x-request-id", ""))
+        return span
+
+    def child_span(self, parent: Span | None, name: str, kind: SpanKind) -> Span | None:
+        if parent is None:
+            return None
+        return self._tracer.start_span(name, context=trace.set_span_in_context(parent), kind=kind)
+
+    @staticmethod
+    def inject(span: Span | None, carrier: MutableMapping[str, str]) -> None:
+        """Put the span's trace context into outgoing headers (replacing the client's)."""
+        if span is not None:
+            propagate.inject(carrier, context=trace.set_span_in_context(span))
+
+
+def fail(span: Span | None, message: str) -> None:
+    if span is not None:
+        span.set_status(Status(StatusCode.ERROR, message))
+
+
+def provider_from_env(env: Mapping[str, str] | None = None) -> TracerProvider | None:
+    """A tracer provider as the OTEL_* variables ask for, or None when tracing is off."""
+    env = os.environ if env is None else env
+    names = [n.strip() for n in env.get("OTEL_TRACES_EXPORTER", "none").split(",") if n.strip()]
+    exporters = [_exporter(name, env) for name in names if name != "none"]
+    if not exporters:
+        return None
+    resource = Resource.create({"service.name": "pdproc", "service.version": __version__})
+    provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+def _exporter(name: str, env: Mapping[str, str]) -> SpanExporter:
+    if name == "console":
+        return ConsoleSpanExporter()
+    if name != "otlp":
+        raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported exporter {name!r}")
+    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get(
+        "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
+    )
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()
+    if protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter as HttpExporter,
+        )
+
+        return HttpExporter()
+    raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL: unsupported protocol {protocol!r}")
