@@ -239,6 +239,12 @@ def _add_envoy_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--no-processor", action="store_true", help="Envoy alone (benchmark baseline)"
     )
     parser.add_argument(
+        "--no-response-hold",
+        action="store_true",
+        help="response_header_mode: SKIP (measurement only: a failed prefill then cannot "
+        "be turned into a clean error once the decode has answered)",
+    )
+    parser.add_argument(
         "--fail-closed",
         action="store_true",
         help="failure_mode_allow: false (500 when pdproc is unreachable)",
@@ -302,6 +308,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
             with_processor=not args.no_processor,
             access_log=args.access_log,
             failure_mode_allow=not args.fail_closed,
+            hold_response=not args.no_response_hold,
         )
     except TargetError as exc:
         print(f"pdproc envoy-config: {exc}", file=sys.stderr)

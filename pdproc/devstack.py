@@ -220,8 +220,7 @@ def start_envoy(
         decode=decode,
         admin=admin,
         with_processor=with_processor,
-        access_log=True,
-        **(extra_options or {}),
+        **{"access_log": True, **(extra_options or {})},
     )
     config = workdir / f"envoy-{listen.port}.yaml"
     config.write_text(render(options), "utf-8")

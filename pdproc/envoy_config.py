@@ -47,6 +47,9 @@ class EnvoyOptions:
     with_processor: bool = True  # False: Envoy alone (the benchmark's baseline)
     access_log: bool = False
     failure_mode_allow: bool = True
+    # False: response_header_mode SKIP, so no hold and no clean abort once the decode has
+    # answered (only for measuring what the hold costs).
+    hold_response: bool = True
 
 
 def _cluster_type(targets: Sequence[HostPort]) -> str:
@@ -85,6 +88,7 @@ def render(options: EnvoyOptions) -> str:
         max_body_bytes=options.max_body_bytes,
         pd_routes=_pd_routes(options.pd_paths),
         failure_mode_allow="true" if options.failure_mode_allow else "false",
+        response_header_mode="SEND" if options.hold_response else "SKIP",
         message_timeout_s=_seconds(options.message_timeout_s),
         max_message_timeout_s=_seconds(options.max_message_timeout_s),
         decode_type=_cluster_type(options.decode),
