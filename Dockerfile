@@ -17,8 +17,11 @@ COPY pyproject.toml README.md ./
 COPY pdproc ./pdproc
 # A virtualenv copied whole into the runtime stage (same base image, same path).
 # `fast` adds uvloop, the event loop `pdproc serve` uses when it is installed.
+# xds-protos ships an old copy of opentelemetry/proto/*: reinstall the real one last so the
+# OTLP trace exporters can load.
 RUN python -m venv /opt/pdproc \
- && /opt/pdproc/bin/pip install ".[fast]"
+ && /opt/pdproc/bin/pip install ".[fast]" \
+ && /opt/pdproc/bin/pip install --force-reinstall --no-deps opentelemetry-proto
 
 FROM ${PYTHON_IMAGE}
 RUN groupadd --system --gid 10001 pdproc \

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 
-import httpx
+import aiohttp
 from cachetools import TTLCache
 from opentelemetry.trace import Span, SpanKind
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 class EngineMaps:
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: aiohttp.ClientSession,
         metrics: Metrics,
         *,
         port: int,
@@ -39,7 +39,7 @@ class EngineMaps:
         self._client = client
         self._metrics = metrics
         self._port = port
-        self._timeout = httpx.Timeout(timeout_s)
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._cache: TTLCache[HostPort, EngineMap] = TTLCache(maxsize=size, ttl=ttl_s)
         self._pending: dict[HostPort, asyncio.Future[EngineMap]] = {}
         self._refresh_s = refresh_s
@@ -120,20 +120,21 @@ class EngineMaps:
         url = self.bootstrap_addr(target) + "/query"
         started = time.perf_counter()
         try:
-            response = await self._client.get(url, timeout=self._timeout)
-        except httpx.TimeoutException:
+            async with self._client.get(url, timeout=self._timeout) as response:
+                status, payload = response.status, await response.read()
+        except TimeoutError:
             raise BootstrapError(f"failed to query bootstrap endpoint {url}: timed out") from None
-        except httpx.ConnectError as exc:
+        except aiohttp.ClientConnectorError as exc:
             raise BootstrapError(
-                f"failed to query bootstrap endpoint {url}: {exc!r}", pod_down=True
+                f"failed to query bootstrap endpoint {url}: {exc}", pod_down=True
             ) from None
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise BootstrapError(f"failed to query bootstrap endpoint {url}: {exc!r}") from None
         finally:
             self._metrics.bootstrap_seconds.observe(time.perf_counter() - started)
-        if not 200 <= response.status_code < 300:
-            raise BootstrapError(f"bootstrap endpoint {url} returned status {response.status_code}")
-        engines = parse_engine_map(response.content)
+        if not 200 <= status < 300:
+            raise BootstrapError(f"bootstrap endpoint {url} returned status {status}")
+        engines = parse_engine_map(payload)
         previous = self._cache.get(target)
         if previous is not None and previous != engines:
             log.info("engine ids changed", extra={"prefill_target": str(target)})

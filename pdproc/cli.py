@@ -282,15 +282,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from pdproc.logs import setup_logging
     from pdproc.server import run
+    from pdproc.telemetry import provider_from_env
 
     try:
         values = resolve(args, os.environ, load_config_file(args.config))
         settings = build_settings(values)
-    except (ConfigError, OSError) as exc:
+        tracer_provider = provider_from_env()
+    except (ConfigError, OSError, ValueError) as exc:
         print(f"pdproc serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(values["log_level"], values["log_format"])
-    return run(settings)
+    return run(settings, tracer_provider)
 
 
 def _envoy_config(args: argparse.Namespace) -> int:

@@ -50,6 +50,4 @@ def setup_logging(level: str = "info", fmt: str = "json") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # httpx logs every request at info: far too loud on the prefill path.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("httpcore").setLevel(logging.WARNING)
+    # aiohttp's access log (metrics endpoint) is off; its client logs nothing at info.

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from opentelemetry.trace import Span, SpanKind
 
 from pdproc import mooncake
@@ -104,7 +104,7 @@ OutcomeHook = Callable[[PrefillJob, PrefillOutcome], None]
 class PrefillLauncher:
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: aiohttp.ClientSession,
         metrics: Metrics,
         *,
         timeout_s: float,
@@ -191,26 +191,26 @@ class PrefillLauncher:
     ) -> PrefillOutcome:
         try:
             body = mooncake.prefill_body(path, parsed, mooncake.prefill_params(transfer_id))
-            async with asyncio.timeout(self._timeout_s):
-                response = await self._client.post(
-                    target.url() + path, content=body, headers=headers
-                )
+            async with (
+                asyncio.timeout(self._timeout_s),
+                self._client.post(target.url() + path, data=body, headers=headers) as response,
+            ):
+                status, payload = response.status, await response.read()
         except TimeoutError:
             return PrefillOutcome(
                 "timeout", time.perf_counter() - started, error=f"no answer in {self._timeout_s}s"
             )
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            return PrefillOutcome("connect_error", time.perf_counter() - started, error=repr(exc))
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientConnectorError as exc:
+            return PrefillOutcome("connect_error", time.perf_counter() - started, error=str(exc))
+        except aiohttp.ClientError as exc:
             return PrefillOutcome("error", time.perf_counter() - started, error=repr(exc))
         except Exception as exc:  # a bug must still end as a counted, logged outcome
             log.exception("prefill task crashed")
             return PrefillOutcome("error", time.perf_counter() - started, error=repr(exc))
         duration = time.perf_counter() - started
-        status = response.status_code
         if 200 <= status < 300:
             return PrefillOutcome("2xx", duration, status)
-        detail = response.text[:300]
+        detail = payload[:300].decode("utf-8", "replace")
         return PrefillOutcome(f"{status // 100}xx", duration, status, f"status {status}: {detail}")
 
     def _finished(self, job: PrefillJob) -> None:

@@ -7,8 +7,8 @@ import asyncio
 import logging
 import signal
 
+import aiohttp
 import grpc
-import httpx
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,7 +22,7 @@ from pdproc.extproc import ExtProcService, Processor
 from pdproc.metrics import Metrics
 from pdproc.prefill import PrefillLauncher
 from pdproc.targets import HostPort
-from pdproc.telemetry import Tracing, provider_from_env
+from pdproc.telemetry import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -47,21 +47,24 @@ class ProcessorServer:
         self.draining = False
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
         self._web: web.AppRunner | None = None
         self.processor: Processor | None = None
 
     async def start(self) -> None:
         s = self.settings
-        self._client = httpx.AsyncClient(
+        # One pooled client for bootstrap queries and prefills (aiohttp rather than httpx:
+        # a third of the CPU per request, measured with py-spy on the benchmark).
+        self._client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                limit=s.max_prefill_connections, limit_per_host=0, keepalive_timeout=60
+            ),
             # Pod-to-pod traffic: never route it through an HTTP(S)_PROXY from the environment.
             trust_env=False,
-            limits=httpx.Limits(
-                max_connections=s.max_prefill_connections,
-                max_keepalive_connections=s.max_prefill_connections,
-                keepalive_expiry=60,
-            ),
-            timeout=httpx.Timeout(None, connect=5.0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+            # The prefill answer is only checked: no need to decompress anything.
+            auto_decompress=False,
+            skip_auto_headers=("Accept-Encoding", "User-Agent"),
         )
         engines = EngineMaps(
             self._client,
@@ -160,7 +163,7 @@ class ProcessorServer:
             if left:
                 log.error("shutdown abandoned %d in-flight prefills", left)
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
         if self._web is not None:
             await self._web.cleanup()
         if self._tracer_provider is not None:
@@ -185,9 +188,9 @@ def _text(status: int, text: str) -> web.Response:
     return web.Response(status=status, text=text)
 
 
-def run(settings: Settings) -> int:
+def run(settings: Settings, tracer_provider: TracerProvider | None = None) -> int:
     """Run one server until SIGTERM/SIGINT, on uvloop when it is installed."""
-    server = ProcessorServer(settings, tracer_provider=provider_from_env())
+    server = ProcessorServer(settings, tracer_provider=tracer_provider)
     try:
         import uvloop
     except ImportError:

@@ -87,7 +87,20 @@ def provider_from_env(env: Mapping[str, str] | None = None) -> TracerProvider | 
     return provider
 
 
+_PROTO_CLASH = (
+    "the OTLP exporter cannot load opentelemetry-proto: xds-protos installs an older copy of "
+    "the same files; run `pip install --force-reinstall --no-deps opentelemetry-proto`"
+)
+
+
 def _exporter(name: str, env: Mapping[str, str]) -> SpanExporter:
+    try:
+        return _load_exporter(name, env)
+    except ImportError as exc:
+        raise ValueError(f"{_PROTO_CLASH} ({exc})") from None
+
+
+def _load_exporter(name: str, env: Mapping[str, str]) -> SpanExporter:
     if name == "console":
         return ConsoleSpanExporter()
     if name != "otlp":
