@@ -321,3 +321,17 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def settings_table() -> str:
+    """README's settings table, generated from SERVE_OPTIONS (a test keeps README current)."""
+    rows = ["| flag | environment | YAML key | default | what it does |", "|---|---|---|---|---|"]
+    for opt in SERVE_OPTIONS:
+        default = ", ".join(map(str, opt.default)) if opt.repeat else opt.default
+        envs = ", ".join(f"`{name}`" for name in opt.envs)
+        rows.append(
+            f"| `{opt.flag}` | {envs} | `{opt.key}` | `{default}` | {opt.help} |"
+            if default not in (None, "")
+            else f"| `{opt.flag}` | {envs} | `{opt.key}` | none | {opt.help} |"
+        )
+    return "\n".join(rows)
