@@ -61,6 +61,14 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--listen", "gRPC listen address of the processor.", "0.0.0.0:9002", _host_port),
     Option("--prefill", "Static prefill pool member HOST:PORT (repeatable).", [], repeat=True),
     Option(
+        "--prefill-dns",
+        "NAME:PORT whose A/AAAA records are all prefill pool members, re-resolved every "
+        "--dns-refresh seconds (a headless Service; repeatable).",
+        [],
+        repeat=True,
+    ),
+    Option("--dns-refresh", "Seconds between --prefill-dns resolutions.", 10.0, _positive),
+    Option(
         "--prefill-allow",
         "CIDR, host name or * allowed as a prefill target taken from the "
         "x-prefiller-host-port header (repeatable). Pool members are always allowed.",
@@ -110,6 +118,12 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--shutdown-delay", "Seconds to keep serving after SIGTERM (NOT_SERVING).", 2.0, float),
     Option("--max-prefill-connections", "Connection pool size for prefill requests.", 1024, int),
     Option("--metrics-listen", "HOST:PORT for /metrics, /healthz, /readyz.", None, _host_port),
+    Option(
+        "--workers",
+        "Processes sharing the listen port (SO_REUSEPORT), for more than one core.",
+        1,
+        int,
+    ),
     Option("--log-level", "debug, info, warning or error.", "info"),
     Option("--log-format", "json or text.", "json", lambda v: _choice(v, ("json", "text"))),
 )
@@ -175,12 +189,15 @@ def load_config_file(path: str | None) -> dict[str, Any]:
 def build_settings(values: Mapping[str, Any]) -> Settings:
     try:
         pool = tuple(parse_host_port(v) for v in values["prefill"])
+        dns = tuple(parse_host_port(v) for v in values["prefill_dns"])
         allow = AllowList.parse(values["prefill_allow"])
     except TargetError as exc:
         raise ConfigError(str(exc)) from None
     return Settings(
         listen=values["listen"],
         prefill_pool=pool,
+        prefill_dns=dns,
+        dns_refresh_s=values["dns_refresh"],
         allow=allow,
         pd_paths=frozenset(values["pd_path"]),
         bootstrap_port=values["mooncake_bootstrap_port"],
@@ -292,6 +309,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"pdproc serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(values["log_level"], values["log_format"])
+    if values["workers"] > 1:
+        from pdproc.workers import run_workers
+
+        return run_workers(settings, values["workers"], values["log_level"], values["log_format"])
     return run(settings, tracer_provider)
 
 

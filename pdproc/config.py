@@ -27,6 +27,9 @@ class BootstrapPolicy(Enum):
 class Settings:
     listen: str = "0.0.0.0:9002"
     prefill_pool: tuple[HostPort, ...] = ()
+    # Names (a headless Service) whose A/AAAA records are pool members, re-resolved.
+    prefill_dns: tuple[HostPort, ...] = ()
+    dns_refresh_s: float = 10.0
     allow: AllowList = field(default_factory=AllowList)
     pd_paths: frozenset[str] = frozenset(DEFAULT_PD_PATHS)
     bootstrap_port: int = 8998

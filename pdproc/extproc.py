@@ -32,6 +32,7 @@ from pdproc import mooncake
 from pdproc.bootstrap import EngineMaps
 from pdproc.breaker import POD_DOWN, CircuitBreakers
 from pdproc.config import BootstrapPolicy, Settings
+from pdproc.discovery import DnsPool
 from pdproc.metrics import Metrics
 from pdproc.openai import ErrorKind, ErrorReply
 from pdproc.prefill import PrefillJob, PrefillLauncher, PrefillOutcome
@@ -115,14 +116,16 @@ class Processor:
         breakers: CircuitBreakers,
         metrics: Metrics,
         tracing: Tracing | None = None,
+        dns_pool: DnsPool | None = None,
     ) -> None:
         self.settings = settings
+        self.dns_pool = dns_pool
         self.tracing = tracing or Tracing(None)
         self.engines = engines
         self.launcher = launcher
         self.breakers = breakers
         self.metrics = metrics
-        self.pool_members = frozenset(settings.prefill_pool)
+        self._static_pool = frozenset(settings.prefill_pool)
         self.draining = False  # shutting down: no new prefills, requests pass through
         self._outcome_counters: dict[tuple[str, str], Any] = {}
 
@@ -133,9 +136,20 @@ class Processor:
             counter = self._outcome_counters[key] = self.metrics.requests.labels(*key)
         counter.inc()
 
-    def pick_pool_member(self) -> HostPort | None:
+    def pool(self) -> tuple[HostPort, ...]:
+        """Operator-given prefill pods: the static pool plus what DNS currently resolves to."""
+        if self.dns_pool is None:
+            return self.settings.prefill_pool
+        return self.settings.prefill_pool + self.dns_pool.members
+
+    def is_pool_member(self, target: HostPort) -> bool:
+        return target in self._static_pool or (
+            self.dns_pool is not None and target in self.dns_pool.members
+        )
+
+    def pick_pool_member(self, pool: tuple[HostPort, ...]) -> HostPort | None:
         """The pool member with the fewest prefills in flight whose breaker lets it be used."""
-        members = sorted(self.settings.prefill_pool, key=self.launcher.in_flight)
+        members = sorted(pool, key=self.launcher.in_flight)
         return next((m for m in members if self.breakers.allow(m)), None)
 
     def on_prefill_outcome(self, job: PrefillJob, outcome: PrefillOutcome) -> None:
@@ -302,17 +316,17 @@ class RequestStream:
         the body decides between rejecting and decode-only (`--on-bootstrap-error`)."""
         target = target_from_header([header]) if header else None
         if target is None:
-            pool = self._p.settings.prefill_pool
+            pool = self._p.pool()
             if not pool:
                 return None
-            member = self._p.pick_pool_member()
+            member = self._p.pick_pool_member(pool)
             if member is None:
                 self._unavailable = ErrorReply(
                     ErrorKind.PREFILL_UNAVAILABLE, "every prefill pool member is failing"
                 )
                 return pool[0]
             return member
-        if target not in self._p.pool_members and not self._p.settings.allow.allows(target):
+        if not self._p.settings.allow.allows(target) and not self._p.is_pool_member(target):
             raise PermissionError(f"prefill target {target} is not allowed")
         if not self._p.breakers.allow(target):
             self._unavailable = ErrorReply(

@@ -22,6 +22,7 @@ class JsonFormatter(logging.Formatter):
             "ts": round(record.created, 6),
             "level": record.levelname.lower(),
             "logger": record.name,
+            "pid": record.process,
             "msg": record.getMessage(),
         }
         for key, value in record.__dict__.items():

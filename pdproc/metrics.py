@@ -5,7 +5,16 @@ Each processor instance owns its registry, so tests can run several in one inter
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -29,6 +38,15 @@ _LATENCY_BUCKETS = (
 
 
 class Metrics:
+    def exposition(self) -> bytes:
+        """The /metrics page: this process's registry, or every worker's with --workers."""
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if directory is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, directory)  # type: ignore[no-untyped-call]
+        return generate_latest(registry)
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
@@ -52,7 +70,11 @@ class Metrics:
             registry=r,
         )
         self.prefills_in_flight = Gauge(
-            "pdproc_prefills_in_flight", "Prefills in flight per target.", ["target"], registry=r
+            "pdproc_prefills_in_flight",
+            "Prefills in flight per target.",
+            ["target"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.bootstrap_seconds = Histogram(
             "pdproc_bootstrap_query_duration_seconds",
@@ -90,7 +112,11 @@ class Metrics:
             "1 while the circuit breaker of a prefill target is open.",
             ["target"],
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.streams_active = Gauge(
-            "pdproc_streams_active", "ext_proc streams currently open.", registry=r
+            "pdproc_streams_active",
+            "ext_proc streams currently open.",
+            registry=r,
+            multiprocess_mode="livesum",
         )

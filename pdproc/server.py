@@ -13,11 +13,12 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdproc.bootstrap import EngineMaps
 from pdproc.breaker import CircuitBreakers
 from pdproc.config import Settings
+from pdproc.discovery import DnsPool
 from pdproc.extproc import ExtProcService, Processor
 from pdproc.metrics import Metrics
 from pdproc.prefill import PrefillLauncher
@@ -50,6 +51,7 @@ class ProcessorServer:
         self._client: aiohttp.ClientSession | None = None
         self._web: web.AppRunner | None = None
         self.processor: Processor | None = None
+        self._dns: DnsPool | None = None
 
     async def start(self) -> None:
         s = self.settings
@@ -82,7 +84,12 @@ class ProcessorServer:
         launcher = PrefillLauncher(
             self._client, self.metrics, timeout_s=s.prefill_timeout_s, tracing=self.tracing
         )
-        processor = Processor(s, engines, launcher, breakers, self.metrics, self.tracing)
+        self._dns = DnsPool(s.prefill_dns, s.dns_refresh_s) if s.prefill_dns else None
+        if self._dns is not None:
+            await self._dns.start()
+        processor = Processor(
+            s, engines, launcher, breakers, self.metrics, self.tracing, dns_pool=self._dns
+        )
         processor.launcher.set_hook(processor.on_prefill_outcome)
         self.processor = processor
 
@@ -126,7 +133,8 @@ class ProcessorServer:
         self._web = web.AppRunner(app, access_log=None)
         await self._web.setup()
         host, _, port = listen.rpartition(":")
-        site = web.TCPSite(self._web, host.strip("[]") or None, int(port))
+        # reuse_port: with --workers every process serves the same (aggregated) page.
+        site = web.TCPSite(self._web, host.strip("[]") or None, int(port), reuse_port=True)
         await site.start()
         server = site._server
         sockets = getattr(server, "sockets", None) or []
@@ -139,7 +147,7 @@ class ProcessorServer:
         return _text(503, "draining\n") if self.draining else _text(200, "ok\n")
 
     async def _metrics_page(self, _: web.Request) -> web.Response:
-        body = generate_latest(self.metrics.registry)
+        body = self.metrics.exposition()
         return web.Response(body=body, headers={"content-type": CONTENT_TYPE_LATEST})
 
     async def stop(self, drain_timeout_s: float | None = None, lame_duck_s: float = 0.0) -> int:
@@ -162,6 +170,8 @@ class ProcessorServer:
             left = await self.processor.launcher.drain(max(0.0, deadline - loop.time()))
             if left:
                 log.error("shutdown abandoned %d in-flight prefills", left)
+        if self._dns is not None:
+            await self._dns.stop()
         if self._client is not None:
             await self._client.close()
         if self._web is not None:

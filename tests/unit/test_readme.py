@@ -21,3 +21,26 @@ def test_two_commands_and_ci_use_them() -> None:
     assert "make test" in README
     ci = (Path(__file__).resolve().parents[2] / ".ci" / "run").read_text()
     assert "make test" in ci
+
+
+def test_grafana_dashboard_only_queries_metrics_pdproc_exports() -> None:
+    import json
+    import re
+
+    from pdproc.metrics import Metrics
+
+    root = Path(__file__).resolve().parents[2]
+    dashboard = json.loads((root / "deploy" / "grafana" / "pdproc-dashboard.json").read_text())
+    exported = {
+        sample_name
+        for family in Metrics().registry.collect()
+        for sample_name in (family.name, family.name + "_total", family.name + "_bucket")
+    }
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"pdproc_[a-z_]+", target["expr"])
+    }
+    assert queried
+    assert queried <= exported, queried - exported

@@ -1,0 +1,89 @@
+"""Scale-out: prefill pods found through DNS, and two pdproc replicas behind one Envoy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdproc.devstack import running_stack, start_envoy, start_pdproc
+
+pytestmark = pytest.mark.e2e
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+
+
+def test_prefill_pool_from_dns(tmp_path: Path) -> None:
+    """No endpoint picker, no static pool: `--prefill-dns localhost:PORT` finds the pod.
+    The name is resolved by the system resolver, as a headless Service name would be."""
+    with running_stack(["--dp-ranks", "2"], workdir=tmp_path) as st:
+        proc, addr, _ = start_pdproc(
+            tmp_path,
+            ["--prefill-dns", f"localhost:{st.sim.prefill.port}", "--dns-refresh", "1",
+             "--mooncake-bootstrap-port", str(st.sim.bootstrap.port)],
+            name="pdproc-dns",
+        )  # fmt: skip
+        st.extra.append(proc)
+        envoy = start_envoy(tmp_path, [st.sim.decode], [addr])
+        st.extra.append(envoy.process)
+        for _ in range(4):
+            response = httpx.post(envoy.url + "/v1/chat/completions", json=CHAT, timeout=30)
+            assert response.status_code == 200
+        decodes = st.sim_get("decode", "/sim/requests")["requests"]
+        assert len(decodes) == 4
+        for decode in decodes:
+            kv = decode["body"]["kv_transfer_params"]
+            assert kv["remote_bootstrap_addr"] == f"http://127.0.0.1:{st.sim.bootstrap.port}"
+            assert decode["kv"]["shipped"] is True
+
+
+def test_two_replicas_behind_one_envoy_share_the_work(tmp_path: Path) -> None:
+    """Any replica serves any request: the only state is each one's engine-id cache."""
+    with running_stack(["--dp-ranks", "2"], workdir=tmp_path) as st:
+        second, second_addr, second_metrics = start_pdproc(
+            tmp_path, st.pdproc_args, name="pdproc-2"
+        )
+        st.extra.append(second)
+        envoy = start_envoy(tmp_path, [st.sim.decode], [st.pdproc_addr, second_addr])
+        st.extra.append(envoy.process)
+        target = {"x-prefiller-host-port": str(st.sim.prefill)}
+        with httpx.Client(timeout=30) as client:
+            for _ in range(40):
+                response = client.post(
+                    envoy.url + "/v1/chat/completions", json=CHAT, headers=target
+                )
+                assert response.status_code == 200
+        first_pd = st.metric("pdproc_requests_total", outcome="pd")
+        from pdproc.devstack import Stack
+
+        other = Stack(tmp_path, st.sim, second, second_addr, second_metrics, envoy)
+        second_pd = other.metric("pdproc_requests_total", outcome="pd")
+        assert first_pd + second_pd == 40
+        assert first_pd > 0
+        assert second_pd > 0
+        # Each replica queried the bootstrap server for itself.
+        assert st.sim_get("prefill", "/sim/stats")["bootstrap_queries"] >= 2
+
+
+def test_workers_share_one_port_and_one_metrics_page(tmp_path: Path) -> None:
+    """`--workers 2`: two processes behind one port; /metrics adds up both; SIGTERM drains."""
+    with running_stack(["--itl-ms", "1"], ["--workers", "2"], workdir=tmp_path) as st:
+        target = {"x-prefiller-host-port": str(st.sim.prefill)}
+        with httpx.Client(timeout=30) as client:
+            for _ in range(30):
+                response = client.post(
+                    st.envoy.url + "/v1/chat/completions", json=CHAT, headers=target
+                )
+                assert response.status_code == 200
+        import time
+
+        deadline = time.monotonic() + 15
+        while st.metric("pdproc_requests_total", outcome="pd") < 30 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert st.metric("pdproc_requests_total", outcome="pd") == 30
+        started = [
+            line for line in st.pdproc.log_path.read_text().splitlines() if "pdproc serving" in line
+        ]
+        assert len(started) == 2  # both workers are up on the same port
+        assert st.pdproc.stop() == 0
