@@ -310,3 +310,40 @@ def test_envoy_ext_proc_error_stats_stay_zero(stack: Stack) -> None:
     assert (
         stack.envoy.stats("http.ingress.ext_proc.")["http.ingress.ext_proc.streams_started"] > 200
     )
+
+
+def test_logs_are_json_lines_with_request_fields_and_no_secrets(fresh: Stack) -> None:
+    secret = "Bearer sk-do-not-log-me"
+    prompt = "a prompt that must never reach the logs"
+    body = {**CHAT, "messages": [{"role": "user", "content": prompt}]}
+    headers = {**target(fresh), "authorization": secret, "x-request-id": "req-log-check"}
+    assert httpx.post(
+        fresh.envoy.url + "/v1/chat/completions", json=body, headers=headers
+    ).is_success
+    bad = httpx.post(fresh.envoy.url + "/v1/chat/completions", content=b"[]", headers=target(fresh))
+    assert bad.status_code == 400
+
+    def logged() -> list[dict[str, Any]]:
+        lines = fresh.pdproc.log_path.read_text().splitlines()
+        return [orjson.loads(line) for line in lines]  # every line is one JSON object
+
+    def request_logged() -> list[dict[str, Any]] | None:
+        entries = logged()
+        return entries if any(e.get("request_id") == "req-log-check" for e in entries) else None
+
+    entries = eventually(request_logged)
+    (line,) = [e for e in entries if e.get("request_id") == "req-log-check"]
+    assert line["level"] == "info"
+    assert line["msg"] == "pd request prefilled"
+    assert line["transfer_id"].startswith("xfer-")
+    assert line["prefill_target"] == str(fresh.sim.prefill)
+    assert line["dp_rank"] in (0, 1)
+    assert line["prefill_outcome"] == "2xx"
+    assert line["prefill_ms"] > 0
+    rejected = [e for e in entries if e.get("outcome") == "bad_request"]
+    assert rejected
+    assert rejected[-1]["level"] == "warning"
+    assert rejected[-1]["status"] == 400
+    text = fresh.pdproc.log_path.read_text()
+    assert "sk-do-not-log-me" not in text
+    assert prompt not in text
