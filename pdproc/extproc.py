@@ -494,16 +494,12 @@ def _prefill_error(outcome: PrefillOutcome) -> ErrorReply:
 
 
 def _body_response(body: bytes) -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(
-            response=pb.CommonResponse(
-                header_mutation=pb.HeaderMutation(
-                    set_headers=[_header("content-length", str(len(body)).encode())]
-                ),
-                body_mutation=pb.BodyMutation(body=body),
-            )
-        )
-    )
+    # Filled in place: nesting constructors would copy a megabyte body once per level.
+    response = pb.ProcessingResponse()
+    common = response.request_body.response
+    common.header_mutation.set_headers.append(_header("content-length", str(len(body)).encode()))
+    common.body_mutation.body = body
+    return response
 
 
 def _duration(seconds: float) -> Duration:

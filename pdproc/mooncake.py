@@ -121,11 +121,23 @@ def decode_body(raw: bytes, parsed: dict[str, Any], params: dict[str, Any]) -> b
     value is replaced (never trusted) and the object re-serialised.
     """
     if KV_PARAMS not in parsed:
-        end = len(raw.rstrip())
-        head = raw[: end - 1].rstrip()  # parse_body proved the last non-blank byte is "}"
-        comma = b"," if parsed else b""
-        return head + comma + b'"' + KV_PARAMS.encode() + b'":' + orjson.dumps(params) + b"}"
+        # parse_body proved the last non-blank byte is "}": cut there, copy the prompt once.
+        cut = _last_non_blank(raw, len(raw)) - 1
+        cut = _last_non_blank(raw, cut)
+        tail = (b"," if parsed else b"") + _KV_KEY + orjson.dumps(params) + b"}"
+        return b"".join((memoryview(raw)[:cut], tail))
     return orjson.dumps({**parsed, KV_PARAMS: params})
+
+
+_KV_KEY = b'"' + KV_PARAMS.encode() + b'":'
+_JSON_BLANKS = b" \t\r\n"
+
+
+def _last_non_blank(raw: bytes, end: int) -> int:
+    """The end index of `raw[:end]` without trailing JSON whitespace."""
+    while end > 0 and raw[end - 1] in _JSON_BLANKS:
+        end -= 1
+    return end
 
 
 def prefill_body(path: str, parsed: dict[str, Any], params: dict[str, Any]) -> bytes:

@@ -217,3 +217,12 @@ def test_transfer_ids_are_unique_and_prefixed() -> None:
     ids = {mooncake.new_transfer_id() for _ in range(100)}
     assert len(ids) == 100
     assert all(i.startswith("xfer-") and len(i) == 41 for i in ids)
+
+
+@pytest.mark.parametrize(
+    "raw", [b"{}", b"{ \n }", b"{}\r\n", b'{"a": [1, {"b": 2}] }\t\n', b' {"a":1}']
+)
+def test_decode_body_splice_handles_whitespace(raw: bytes) -> None:
+    parsed = mooncake.parse_body(raw)
+    out = mooncake.decode_body(raw, parsed, params())
+    assert json.loads(out) == {**parsed, "kv_transfer_params": params()}
