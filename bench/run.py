@@ -41,13 +41,14 @@ from pdproc.devstack import Process, SimPair, Stack
 from pdproc.targets import PREFILL_HEADER
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ("direct", "direct-pd", "envoy", "pdproc", "vllm-router")
+CONFIGS = ("direct", "direct-pd", "envoy", "pdproc", "pdproc-1msg", "vllm-router")
 # Which processes of a configuration are "the proxy" in the CPU-per-request column.
 PROXY_ROLES: dict[str, tuple[str, ...]] = {
     "direct": (),
     "direct-pd": (),
     "envoy": ("envoy",),
     "pdproc": ("envoy", "pdproc"),
+    "pdproc-1msg": ("envoy", "pdproc"),
     "vllm-router": ("vllm-router",),
 }
 DESCRIPTIONS = {
@@ -55,6 +56,7 @@ DESCRIPTIONS = {
     "direct-pd": "client runs the Mooncake P/D protocol itself -> prefill + decode (no proxy)",
     "envoy": "client -> Envoy alone (no ext_proc) -> decode, plain requests (no P/D)",
     "pdproc": "client -> Envoy + pdproc (P/D, x-prefiller-host-port) -> decode; pdproc -> prefill",
+    "pdproc-1msg": "as pdproc, Envoy in single-message mode (envoy-config --single-message)",
     "vllm-router": "client -> vllm-router --vllm-pd-disaggregation --kv-connector mooncake",
 }
 KiB = 1024
@@ -429,6 +431,25 @@ def bench_stack(opts: Options, workdir: Path) -> Iterator[Bench]:
                     "sim": sim_pid,
                 },
             )
+        if "pdproc-1msg" in wanted:
+            single = devstack.start_envoy(
+                workdir,
+                [sim.decode],
+                [stack.pdproc_addr],
+                concurrency=opts.envoy_concurrency,
+                extra_options={"single_message": True},
+            )
+            extra.callback(single.process.stop)
+            targets["pdproc-1msg"] = Target(
+                "pdproc-1msg",
+                single.url,
+                ["--header", f"{PREFILL_HEADER}:{sim.prefill}"],
+                {
+                    "envoy": single.process.popen.pid,
+                    "pdproc": stack.pdproc.popen.pid,
+                    "sim": sim_pid,
+                },
+            )
         if "vllm-router" in wanted:
             try:
                 router, url = start_router(workdir, sim)
@@ -525,7 +546,7 @@ def run_cell(
     warmup = opts.warmup_for(concurrency)
     before = {role: proc_cpu_s(pid) for role, pid in target.pids.items()}
     host_before = host_cpu()
-    scrape = target.name == "pdproc"
+    scrape = target.name.startswith("pdproc")
     processing_before = scrape_processing(bench.stack.metrics_text()) if scrape else None
     started = time.time()
     raw = run_loadgen(target, size, concurrency, n, warmup, opts)

@@ -256,6 +256,12 @@ def _add_envoy_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--no-processor", action="store_true", help="Envoy alone (benchmark baseline)"
     )
     parser.add_argument(
+        "--single-message",
+        action="store_true",
+        help="request_header_mode SKIP: one ext_proc message on the request path instead "
+        "of two (headers pdproc needs come as request_attributes)",
+    )
+    parser.add_argument(
         "--no-response-hold",
         action="store_true",
         help="response_header_mode: SKIP (measurement only: a failed prefill then cannot "
@@ -332,6 +338,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
             access_log=args.access_log,
             failure_mode_allow=not args.fail_closed,
             hold_response=not args.no_response_hold,
+            single_message=args.single_message,
         )
     except TargetError as exc:
         print(f"pdproc envoy-config: {exc}", file=sys.stderr)

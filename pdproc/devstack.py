@@ -312,6 +312,7 @@ def running_stack(
     envoy_port: int = 0,
     pool: bool = False,
     host: str = "127.0.0.1",
+    envoy_options: dict[str, Any] | None = None,
 ) -> Iterator[Stack]:
     """The stack on loopback. `pool=True` makes the simulated prefill pdproc's static pool,
     so requests need no x-prefiller-host-port header."""
@@ -326,7 +327,12 @@ def running_stack(
         proc, addr, metrics = start_pdproc(workdir, args, host=host)
         cleanup.callback(proc.stop)
         envoy = start_envoy(
-            workdir, [sim.decode], [addr], concurrency=envoy_concurrency, listen_port=envoy_port
+            workdir,
+            [sim.decode],
+            [addr],
+            concurrency=envoy_concurrency,
+            listen_port=envoy_port,
+            extra_options=envoy_options,
         )
         cleanup.callback(envoy.process.stop)
         stack = Stack(workdir, sim, proc, addr, metrics, envoy, args)

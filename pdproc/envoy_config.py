@@ -12,6 +12,7 @@ from importlib import resources
 from string import Template
 
 from pdproc.config import DEFAULT_PD_PATHS, MiB
+from pdproc.extproc import REQUEST_ATTRIBUTES
 from pdproc.targets import HostPort, parse_host_port
 
 _ACCESS_LOG = """\
@@ -34,6 +35,36 @@ _ACCESS_LOG = """\
 """
 
 
+# Single-message mode: the request-headers round trip is skipped. The endpoint picker's
+# prefill header is moved into dynamic metadata before the router (which would otherwise
+# strip it before pdproc sees the body), and what pdproc needs of the other headers comes as
+# request_attributes with the body message.
+_HEADER_TO_METADATA = (
+    "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config"
+)
+_PREFILL_HEADER_FILTER = (
+    """\
+          # Single-message mode: keep the endpoint picker's prefill header for pdproc as
+          # metadata (the router forwards the request headers before the body is processed).
+          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": """
+    + _HEADER_TO_METADATA
+    + """
+              request_rules:
+              - header: x-prefiller-host-port
+                on_header_present: {metadata_namespace: pdproc, key: prefiller, type: STRING}
+                remove: true"""
+)
+
+_SINGLE_MESSAGE_OPTIONS = """\
+              # Single-message mode: what pdproc reads of the request headers, sent with the
+              # body message (request_header_mode is SKIP).
+              request_attributes: [{attributes}]
+              metadata_options:
+                forwarding_namespaces: {{untyped: [pdproc]}}"""
+
+
 @dataclass(frozen=True)
 class EnvoyOptions:
     listen: HostPort
@@ -50,6 +81,8 @@ class EnvoyOptions:
     # False: response_header_mode SKIP, so no hold and no clean abort once the decode has
     # answered (only for measuring what the hold costs).
     hold_response: bool = True
+    # One ext_proc message on the request path instead of two (request headers SKIP).
+    single_message: bool = False
 
 
 def _cluster_type(targets: Sequence[HostPort]) -> str:
@@ -89,6 +122,15 @@ def render(options: EnvoyOptions) -> str:
         pd_routes=_pd_routes(options.pd_paths),
         failure_mode_allow="true" if options.failure_mode_allow else "false",
         response_header_mode="SEND" if options.hold_response else "SKIP",
+        request_header_mode="SKIP" if options.single_message else "SEND",
+        prefill_header_filter=_PREFILL_HEADER_FILTER if options.single_message else "",
+        single_message_options=(
+            _SINGLE_MESSAGE_OPTIONS.format(
+                attributes=", ".join(f'"{a}"' for a in REQUEST_ATTRIBUTES)
+            )
+            if options.single_message
+            else ""
+        ),
         message_timeout_s=_seconds(options.message_timeout_s),
         max_message_timeout_s=_seconds(options.max_message_timeout_s),
         decode_type=_cluster_type(options.decode),
@@ -100,13 +142,14 @@ def render(options: EnvoyOptions) -> str:
 
 
 def _keep(lines: list[str], with_processor: bool) -> Iterator[str]:
-    """Drop template marker lines, and the blocks they fence when Envoy runs alone."""
+    """Drop template marker lines, lines left empty by unused blocks, and the blocks the
+    markers fence when Envoy runs alone."""
     inside = False
     for line in lines:
         marker = line.strip()
         if marker in ("#@extproc-begin", "#@extproc-end"):
             inside = marker == "#@extproc-begin"
-        elif with_processor or not inside:
+        elif (with_processor or not inside) and marker:
             yield line
 
 

@@ -96,6 +96,42 @@ def _header(key: str, value: bytes) -> HeaderValueOption:
     return HeaderValueOption(header=HeaderValue(key=key, raw_value=value), append_action=_OVERWRITE)
 
 
+# Single-message mode: what Envoy sends as request_attributes instead of a headers message
+# (`pdproc envoy-config --single-message` lists exactly these), and the metadata namespace
+# where a header_to_metadata filter puts the endpoint picker's prefill header.
+ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
+ATTRIBUTE_HEADERS = ("authorization", "traceparent", "tracestate", "baggage")
+REQUEST_ATTRIBUTES = (
+    "request.path",
+    "request.method",
+    "request.id",
+    *(f"request.headers['{name}']" for name in ATTRIBUTE_HEADERS),
+)
+METADATA_NAMESPACE = "pdproc"
+METADATA_PREFILL_KEY = "prefiller"
+
+
+def headers_from_attributes(request: pb.ProcessingRequest) -> dict[str, str] | None:
+    """The headers pdproc needs, rebuilt from the attributes and metadata Envoy sent with
+    the body message; None when there are none (the filter is in two-message mode)."""
+    attributes = request.attributes.get(ATTRIBUTES_KEY)
+    if attributes is None or "request.path" not in attributes.fields:
+        return None
+    fields = attributes.fields
+    headers = {":path": fields["request.path"].string_value}
+    if "request.method" in fields:
+        headers[":method"] = fields["request.method"].string_value
+    if "request.id" in fields:
+        headers["x-request-id"] = fields["request.id"].string_value
+    for name, expression in zip(ATTRIBUTE_HEADERS, REQUEST_ATTRIBUTES[3:], strict=True):
+        if expression in fields:
+            headers[name] = fields[expression].string_value
+    metadata = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
+    if metadata is not None and METADATA_PREFILL_KEY in metadata.fields:
+        headers[PREFILL_HEADER] = metadata.fields[METADATA_PREFILL_KEY].string_value
+    return headers
+
+
 def header_dict(headers: pb.HttpHeaders) -> dict[str, str]:
     """Envoy's header list as a dict; repeated names are joined with a comma (RFC 9110)."""
     out: dict[str, str] = {}
@@ -203,6 +239,7 @@ class RequestStream:
         self._busy_s = 0.0
         self._unavailable: ErrorReply | None = None
         self._span: Span | None = None
+        self._single_message = False
 
     async def run(self) -> None:
         while True:
@@ -228,7 +265,7 @@ class RequestStream:
         if kind == "request_headers":
             await self._on_request_headers(message.request_headers)
         elif kind == "request_body":
-            await self._on_request_body(message.request_body)
+            await self._on_request_body(message)
         elif kind == "response_headers":
             await self._on_response_headers(message.response_headers)
         elif kind == "response_body":
@@ -279,35 +316,37 @@ class RequestStream:
             log.warning("duplicate request headers message; answered without processing")
             await self._write(_CONTINUE_REQUEST_HEADERS)
             return
-        headers = self._headers = header_dict(message)
+        verdict = self._admit(header_dict(message), message.end_of_stream)
+        if verdict is None:
+            await self._passthrough(_PASSTHROUGH)
+        elif isinstance(verdict, ErrorReply):
+            await self._reject(verdict)
+        else:
+            if self._unavailable is None:
+                # Overlap a cache miss with Envoy sending the body.
+                self._p.engines.prefetch(verdict, self._span)
+            self._busy_s += time.perf_counter() - started
+            await self._write(_CONTINUE_REQUEST_HEADERS)
+
+    def _admit(self, headers: dict[str, str], end_of_stream: bool) -> HostPort | ErrorReply | None:
+        """Decide from the request headers: a prefill target, an error, or None (not P/D)."""
+        self._headers = headers
         self._path = headers.get(":path", "").split("?", 1)[0]
         self._span = self._p.tracing.request_span(headers, self._path, headers.get(":method", ""))
         if (
-            message.end_of_stream
+            end_of_stream
             or self._p.draining
             or headers.get(":method") != "POST"
             or self._path not in self._p.settings.pd_paths
         ):
-            await self._passthrough()
-            return
+            return None
         try:
-            target = self._choose_target(headers.get(PREFILL_HEADER))
+            self._target = self._choose_target(headers.get(PREFILL_HEADER))
         except TargetError as exc:
-            await self._reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
-            return
+            return ErrorReply(ErrorKind.BAD_REQUEST, str(exc))
         except PermissionError as exc:
-            await self._reject(ErrorReply(ErrorKind.FORBIDDEN, str(exc)))
-            return
-        if target is None:
-            await self._passthrough()
-            return
-        self._target = target
-        if self._unavailable is None:
-            self._p.engines.prefetch(
-                target, self._span
-            )  # overlap a cache miss with Envoy sending the body
-        self._busy_s += time.perf_counter() - started
-        await self._write(_CONTINUE_REQUEST_HEADERS)
+            return ErrorReply(ErrorKind.FORBIDDEN, str(exc))
+        return self._target
 
     def _choose_target(self, header: str | None) -> HostPort | None:
         """The header's target (if allowed), else a pool member, else None (no P/D).
@@ -334,14 +373,29 @@ class RequestStream:
             )
         return target
 
-    async def _passthrough(self) -> None:
+    async def _passthrough(self, answer: pb.ProcessingResponse) -> None:
         self._p.count(self._path, "passthrough")
         self._trace_outcome("passthrough")
-        await self._write(_PASSTHROUGH)
+        await self._write(answer)
 
     # -- request body ---------------------------------------------------------------------
 
-    async def _on_request_body(self, message: pb.HttpBody) -> None:
+    async def _on_request_body(self, request: pb.ProcessingRequest) -> None:
+        message = request.request_body
+        if self._headers is None and not self._body_done:
+            # Single-message mode (request headers SKIP): the headers came as attributes.
+            headers = headers_from_attributes(request)
+            if headers is not None:
+                self._single_message = True
+                verdict = self._admit(headers, end_of_stream=False)
+                if verdict is None:
+                    self._body_done = True
+                    await self._passthrough(_CONTINUE_REQUEST_BODY)
+                    return
+                if isinstance(verdict, ErrorReply):
+                    self._body_done = True
+                    await self._reject(verdict)
+                    return
         if self._target is None or self._body_done:
             # Passthrough whose override was not honoured, or a repeated end_of_stream.
             await self._write(_CONTINUE_REQUEST_BODY)
@@ -401,7 +455,7 @@ class RequestStream:
         job.task.add_done_callback(self._on_prefill_done)
         self._busy_s += time.perf_counter() - started
         self._p.metrics.processing_seconds.observe(self._busy_s)
-        await self._write(_body_response(body))
+        await self._write(_body_response(body, content_length=not self._single_message))
 
     async def _no_prefill(self, raw: bytes, parsed: dict[str, Any], reply: ErrorReply) -> None:
         """No prefill can serve this request: reject it, or let the decode do it all alone."""
@@ -420,7 +474,8 @@ class RequestStream:
         if mooncake.KV_PARAMS in parsed:
             stripped = dict(parsed)
             del stripped[mooncake.KV_PARAMS]
-            await self._write(_body_response(orjson.dumps(stripped)))
+            body = orjson.dumps(stripped)
+            await self._write(_body_response(body, content_length=not self._single_message))
         else:
             await self._write(_CONTINUE_REQUEST_BODY)
         self._target = None
@@ -493,11 +548,16 @@ def _prefill_error(outcome: PrefillOutcome) -> ErrorReply:
     return ErrorReply(ErrorKind.PREFILL_FAILED, f"prefill failed: {outcome.error}")
 
 
-def _body_response(body: bytes) -> pb.ProcessingResponse:
+def _body_response(body: bytes, content_length: bool = True) -> pb.ProcessingResponse:
+    """The rewritten body. With the request headers still held by Envoy, content-length must
+    change with it; in single-message mode they are gone upstream already and Envoy sends
+    the body chunked."""
     # Filled in place: nesting constructors would copy a megabyte body once per level.
     response = pb.ProcessingResponse()
     common = response.request_body.response
-    common.header_mutation.set_headers.append(_header("content-length", str(len(body)).encode()))
+    if content_length:
+        length = str(len(body)).encode()
+        common.header_mutation.set_headers.append(_header("content-length", length))
     common.body_mutation.body = body
     return response
 

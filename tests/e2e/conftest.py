@@ -19,10 +19,13 @@ EXT_PROC_ERRORS = (
 )
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    """One shared stack per test module; tests reset the simulator and faults they touch."""
-    with running_stack(["--dp-ranks", "2", "--itl-ms", "20", "--prefill-delay-ms", "10"]) as st:
+@pytest.fixture(scope="module", params=["two-message", "single-message"])
+def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """One shared stack per test module and Envoy mode (request headers SEND, or SKIP with
+    request_attributes); tests reset the simulator and faults they touch."""
+    sim = ["--dp-ranks", "2", "--itl-ms", "20", "--prefill-delay-ms", "10"]
+    options = {"single_message": request.param == "single-message"}
+    with running_stack(sim, envoy_options=options) as st:
         yield st
 
 
