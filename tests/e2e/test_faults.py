@@ -30,12 +30,13 @@ OUTCOMES = (
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
+@pytest.fixture(scope="module", params=["two-message", "single-message"])
+def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    options = {"single_message": request.param == "single-message"}
     sim = ["--dp-ranks", "2", "--kv-timeout-s", "60", "--itl-ms", "5"]
     pdproc = ["--prefill-timeout", "2", "--bootstrap-timeout", "1", "--breaker-cooldown", "1",
               "--max-body-bytes", str(1024 * 1024), "--engine-refresh", "0"]  # fmt: skip
-    with running_stack(sim, pdproc) as st:
+    with running_stack(sim, pdproc, envoy_options=options) as st:
         yield st
 
 
