@@ -28,6 +28,7 @@ class Option:
     parse: Callable[[str], Any] = str
     repeat: bool = False
     env: tuple[str, ...] = ()
+    switch: bool = False  # a flag without a value (`--log-bodies`); true/false elsewhere
 
     @property
     def key(self) -> str:
@@ -50,6 +51,15 @@ def _port(value: str) -> int:
     if not 0 < port < 65536:
         raise ValueError(f"port {value} out of range")
     return port
+
+
+def _boolean(value: str) -> bool:
+    text = value.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{value!r} is not a boolean")
 
 
 def _host_port(value: str) -> str:
@@ -126,6 +136,13 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     ),
     Option("--log-level", "debug, info, warning or error.", "info"),
     Option("--log-format", "json or text.", "json", lambda v: _choice(v, ("json", "text"))),
+    Option(
+        "--log-bodies",
+        "Add the first 4 KiB of each P/D request body (prompt text!) to its log line.",
+        False,
+        _boolean,
+        switch=True,
+    ),
 )
 
 
@@ -214,6 +231,7 @@ def build_settings(values: Mapping[str, Any]) -> Settings:
         shutdown_delay_s=values["shutdown_delay"],
         max_prefill_connections=values["max_prefill_connections"],
         metrics_listen=values["metrics_listen"],
+        log_bodies=values["log_bodies"],
     )
 
 
@@ -228,12 +246,18 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument("--config", help="YAML file of settings (keys as the flags, no dashes).")
     for opt in SERVE_OPTIONS:
         default = ", ".join(map(str, opt.default)) if opt.repeat else opt.default
+        help_text = f"{opt.help} [env {', '.join(opt.envs)}; default {default or 'none'}]"
+        if opt.switch:
+            parser.add_argument(
+                opt.flag, dest=opt.key, action="store_const", const="true", help=help_text
+            )
+            continue
         parser.add_argument(
             opt.flag,
             dest=opt.key,
             action="append" if opt.repeat else "store",
             default=None,
-            help=f"{opt.help} [env {', '.join(opt.envs)}; default {default or 'none'}]",
+            help=help_text,
         )
 
 

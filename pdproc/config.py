@@ -54,6 +54,7 @@ class Settings:
     shutdown_delay_s: float = 2.0
     max_prefill_connections: int = 1024
     metrics_listen: str | None = None
+    log_bodies: bool = False
 
     @property
     def grpc_max_message_bytes(self) -> int:

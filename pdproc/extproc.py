@@ -445,6 +445,9 @@ class RequestStream:
             parsed=parsed,
             client_headers=self._headers,
             parent_span=self._span,
+            body_excerpt=(
+                raw[:4096].decode("utf-8", "replace") if self._p.settings.log_bodies else None
+            ),
         )
         if self._span is not None:
             self._trace_outcome("pd")

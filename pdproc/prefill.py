@@ -96,6 +96,7 @@ class PrefillJob:
     started: float
     task: asyncio.Task[PrefillOutcome]
     span: Span | None = None
+    body_excerpt: str | None = None  # only with --log-bodies
 
 
 OutcomeHook = Callable[[PrefillJob, PrefillOutcome], None]
@@ -148,6 +149,7 @@ class PrefillLauncher:
         parsed: dict[str, Any],
         client_headers: Mapping[str, str],
         parent_span: Span | None = None,
+        body_excerpt: str | None = None,
     ) -> PrefillJob:
         started = time.perf_counter()
         headers = prefill_headers(client_headers, rank)
@@ -175,6 +177,7 @@ class PrefillLauncher:
             started,
             task,
             span,
+            body_excerpt,
         )
         self._tasks.add(task)
         task.add_done_callback(lambda _: self._finished(job))
@@ -250,6 +253,8 @@ class PrefillLauncher:
             "prefill_status": outcome.status,
             "prefill_ms": round(outcome.duration_s * 1000, 3),
         }
+        if job.body_excerpt is not None:
+            fields["body"] = job.body_excerpt
         if outcome.ok:
             log.info("pd request prefilled", extra=fields)
         else:

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
+from bench.run import CONFIGS
 from pdproc.devstack import envoy_binary
 
 pytestmark = pytest.mark.e2e
@@ -52,7 +53,7 @@ def test_writes_results_with_expected_keys(smoke: tuple[Path, str]) -> None:
     assert {"meta", "configs", "runs", "summary"} <= results.keys()
     assert {"cells", "derived", "targets"} <= results["summary"].keys()
     assert results["meta"]["smoke"] is True
-    assert set(results["configs"]) == {"direct", "direct-pd", "envoy", "pdproc", "vllm-router"}
+    assert set(results["configs"]) == set(CONFIGS)
     assert (out / "summary.md").read_text() in stdout  # the table printed is the one saved
     for derived in results["summary"]["derived"]:
         assert {"added_ttft_p50_ms", "added_ttft_p99_ms", "throughput_ratio_pdproc_envoy"} <= (

@@ -5,6 +5,7 @@ as Envoy would send them. The prefill pod is the simulator, a real HTTP server o
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
@@ -445,3 +446,20 @@ async def test_duplicate_end_of_stream_and_out_of_order_messages(h: Harness) -> 
     repeat = await recv(call)
     assert repeat.WhichOneof("response") == "request_body"
     assert not repeat.request_body.response.HasField("body_mutation")
+
+
+async def test_log_bodies_adds_the_prompt_only_when_asked(
+    make_harness: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="pdproc.prefill")
+    for log_bodies in (False, True):
+        h: Harness = await make_harness(log_bodies=log_bodies)
+        caplog.clear()
+        call = h.open()
+        await call.write(headers_msg(extra=h.target))
+        await recv(call)
+        await call.write(body_msg({**CHAT, "messages": [{"role": "user", "content": "secret"}]}))
+        await recv(call)
+        await eventually(lambda: any(r.msg == "pd request prefilled" for r in caplog.records))
+        (line,) = [r for r in caplog.records if r.msg == "pd request prefilled"]
+        assert ("secret" in getattr(line, "body", "")) is log_bodies

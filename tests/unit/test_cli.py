@@ -102,3 +102,16 @@ def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
     for opt in SERVE_OPTIONS:
         assert opt.flag in help_text
     assert "PDPROC_PREFILL_TIMEOUT" in help_text
+
+
+def test_switches_take_no_value_on_the_command_line_and_booleans_elsewhere() -> None:
+    parser_values = resolve(namespace(log_bodies="true"), {"PDPROC_LOG_BODIES": "0"}, {})
+    assert parser_values["log_bodies"] is True
+    assert (
+        resolve(namespace(), {"PDPROC_LOG_BODIES": "off"}, {"log_bodies": True})["log_bodies"]
+        is False
+    )
+    assert resolve(namespace(), {}, {"log_bodies": True})["log_bodies"] is True
+    assert resolve(namespace(), {}, {})["log_bodies"] is False
+    with pytest.raises(ConfigError, match="PDPROC_LOG_BODIES"):
+        resolve(namespace(), {"PDPROC_LOG_BODIES": "maybe"}, {})
