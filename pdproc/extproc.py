@@ -246,7 +246,13 @@ class RequestStream:
             message = await self._context.read()
             if message is grpc.aio.EOF:
                 return  # Envoy resets the stream right after: leave now (DESIGN §3)
-            await self._dispatch(message)
+            try:
+                await self._dispatch(message)
+            except Exception:
+                # A bug must not turn into a gRPC error (a bare 500, or with fail-open a
+                # request silently not disaggregated): answer it, log it, count it.
+                log.exception("ext_proc message handling failed")
+                await self._reject(ErrorReply(ErrorKind.INTERNAL, "internal error in pdproc"))
 
     def close(self) -> None:
         if self._hold is not None and not self._hold.done():

@@ -463,3 +463,24 @@ async def test_log_bodies_adds_the_prompt_only_when_asked(
         await eventually(lambda: any(r.msg == "pd request prefilled" for r in caplog.records))
         (line,) = [r for r in caplog.records if r.msg == "pd request prefilled"]
         assert ("secret" in getattr(line, "body", "")) is log_bodies
+
+
+async def test_a_bug_is_answered_as_a_500_not_a_broken_stream(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert h.server.processor is not None
+
+    async def broken(*_: Any) -> Any:
+        raise RuntimeError("simulated bug")
+
+    # The one stand-in in this file: a defect cannot be produced on purpose otherwise.
+    monkeypatch.setattr(h.server.processor.engines, "get", broken)
+    call = h.open()
+    await call.write(headers_msg(extra=h.target))
+    await recv(call)
+    await call.write(body_msg(CHAT))
+    answer = await recv(call)
+    assert answer.immediate_response.status.code == 500
+    assert orjson.loads(answer.immediate_response.body)["type"] == "InternalServerError"
+    assert h.sample("pdproc_requests_total", path="/v1/chat/completions",
+                    outcome="internal_error") == 1  # fmt: skip
