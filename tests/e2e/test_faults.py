@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from pdproc.devstack import Stack, free_port, running_stack
@@ -58,6 +59,17 @@ def request(stack: Stack, prefill: str | None = None, **body: Any) -> tuple[http
         timeout=120,
     )
     return response, time.monotonic() - started
+
+
+def envoy_details(stack: Stack) -> dict[str, int]:
+    """Envoy's access log (JSON lines on its stdout): answers by status and details."""
+    counts: dict[str, int] = {}
+    for line in stack.envoy.process.log_path.read_text().splitlines():
+        if line.startswith("{"):
+            entry = orjson.loads(line)
+            key = f"{entry['status']} {entry['flags']} {entry['details']}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def outcome_counts(stack: Stack) -> dict[str, float]:
@@ -162,17 +174,22 @@ def test_oversized_bodies_get_json_413(fresh: Stack) -> None:
 
 def test_soak_2000_requests_with_random_prefill_faults(fresh: Stack) -> None:
     """2,000 requests at concurrency 50, 5 % of prefills failing: every request is answered
-    (200, or 502 for its failed prefill), none hangs, and pdproc's counters add up."""
+    (200, or 502 for its failed prefill), none hangs, and pdproc's counters add up.
+
+    A connection-level prefill failure opens the pod's breaker at once (a dead pod must cost
+    one request, not one each), so if the loaded machine produces one, the requests of the
+    next second get pdproc's 503 `prefill_unavailable`: allowed, but only if pdproc counted
+    exactly those."""
     fresh.sim_post("prefill", "/sim/faults", {"prefill_fail_rate": 0.05})
     before = outcome_counts(fresh)
     rng = random.Random(1)
 
-    async def run() -> list[int]:
+    async def run() -> list[tuple[int, str]]:
         gate = asyncio.Semaphore(50)
         limits = httpx.Limits(max_connections=50)
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
 
-            async def one(i: int) -> int:
+            async def one(i: int) -> tuple[int, str]:
                 async with gate:
                     response = await client.post(
                         fresh.envoy.url + "/v1/chat/completions",
@@ -180,15 +197,20 @@ def test_soak_2000_requests_with_random_prefill_faults(fresh: Stack) -> None:
                         headers={"x-prefiller-host-port": str(fresh.sim.prefill)},
                     )
                     await response.aread()
-                    return response.status_code
+                    return response.status_code, response.headers.get("x-pdproc-error", "")
 
             async with asyncio.timeout(240):
                 return await asyncio.gather(*(one(i) for i in range(2000)))
 
-    statuses = asyncio.run(run())
-    ok, failed = statuses.count(200), statuses.count(502)
-    assert ok + failed == 2000, {s: statuses.count(s) for s in set(statuses)}
+    answers = asyncio.run(run())
+    kinds = {answer: answers.count(answer) for answer in set(answers)}
+    expected = {(200, ""), (502, "prefill_failed"), (503, "prefill_unavailable")}
+    assert set(kinds) <= expected, (kinds, envoy_details(fresh))
+    ok = kinds.get((200, ""), 0)
+    failed = kinds.get((502, "prefill_failed"), 0)
+    unavailable = kinds.get((503, "prefill_unavailable"), 0)
     assert 20 <= failed <= 250  # about 5 %
+    assert unavailable <= 500  # at most a breaker cooldown or two, never a stuck breaker
 
     def all_counted() -> dict[str, float] | None:
         counts = outcome_counts(fresh)
@@ -196,7 +218,8 @@ def test_soak_2000_requests_with_random_prefill_faults(fresh: Stack) -> None:
 
     after = eventually(all_counted)
     delta = {k: after[k] - before[k] for k in OUTCOMES if after[k] != before[k]}
-    assert delta == {"pd": ok, "prefill_failed": failed}
+    expected_delta = {"pd": ok, "prefill_failed": failed, "prefill_unavailable": unavailable}
+    assert delta == {k: v for k, v in expected_delta.items() if v}
     assert fresh.metric("pdproc_prefills_in_flight") == 0
     assert fresh.metric("pdproc_streams_active") == 0
 
