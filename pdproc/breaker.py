@@ -1,11 +1,12 @@
 """Per-prefill-pod circuit breaker, so a dead pod costs one failed request, not one each.
 
 Closed: requests flow. A connection failure (the pod is down) opens it at once; other
-failures open it after `threshold` in a row. Open: the pod is skipped for `cooldown_s`.
-Then half-open: one request is let through as a probe and the breaker stays shut to the
-others for another cooldown; the probe's success closes it, its failure re-opens it. A probe
-whose outcome never comes just leads to another probe after the cooldown. Pure state
-machine with an injected clock.
+failures open it after `threshold` in a row. Open: the pod is skipped for a cooldown that
+starts short and doubles each time a probe fails, up to `max_cooldown_s`, so a transient
+hiccup costs a second, a dead pod costs one probe per cooldown. Half-open: one request is
+let through as a probe and the breaker stays shut to the others meanwhile; the probe's
+success closes it, its failure re-opens it. A probe whose outcome never comes just leads to
+another probe after the cooldown. Pure state machine with an injected clock.
 """
 
 from __future__ import annotations
@@ -17,24 +18,26 @@ from dataclasses import dataclass
 from pdproc.targets import HostPort
 
 POD_DOWN = "connect_error"
+FIRST_COOLDOWN_S = 1.0
 
 
 @dataclass(slots=True)
 class _State:
     failures: int = 0
     open_until: float | None = None  # None: closed
+    cooldown_s: float = 0.0
 
 
 class CircuitBreakers:
     def __init__(
         self,
         threshold: int,
-        cooldown_s: float,
+        max_cooldown_s: float,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[HostPort, bool], None] | None = None,
     ) -> None:
         self._threshold = max(1, threshold)
-        self._cooldown = cooldown_s
+        self._max_cooldown = max_cooldown_s
         self._clock = clock
         self._on_change = on_change
         self._states: dict[HostPort, _State] = {}
@@ -47,7 +50,7 @@ class CircuitBreakers:
         now = self._clock()
         if now < state.open_until:
             return False
-        state.open_until = now + self._cooldown
+        state.open_until = now + state.cooldown_s
         return True
 
     def is_open(self, target: HostPort) -> bool:
@@ -67,9 +70,11 @@ class CircuitBreakers:
         if state is None:
             state = self._states[target] = _State()
         state.failures += 1
-        if state.open_until is not None or outcome == POD_DOWN or state.failures >= self._threshold:
-            was_open = state.open_until is not None
-            state.open_until = self._clock() + self._cooldown
+        was_open = state.open_until is not None
+        if was_open or outcome == POD_DOWN or state.failures >= self._threshold:
+            first = min(FIRST_COOLDOWN_S, self._max_cooldown)
+            state.cooldown_s = min(state.cooldown_s * 2, self._max_cooldown) if was_open else first
+            state.open_until = self._clock() + state.cooldown_s
             if not was_open:
                 self._changed(target, True)
 

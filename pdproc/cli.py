@@ -123,7 +123,13 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         lambda v: BootstrapPolicy(v).value,
     ),
     Option("--breaker-failures", "Prefill failures in a row that open a pod's breaker.", 5, int),
-    Option("--breaker-cooldown", "Seconds a prefill pod's open breaker waits.", 10.0, _positive),
+    Option(
+        "--breaker-cooldown",
+        "Longest wait of an open prefill breaker, seconds (it starts at 1 s and doubles "
+        "with each failed probe).",
+        10.0,
+        _positive,
+    ),
     Option("--drain-timeout", "Seconds in-flight work may take after SIGTERM.", 30.0, float),
     Option("--shutdown-delay", "Seconds to keep serving after SIGTERM (NOT_SERVING).", 2.0, float),
     Option("--max-prefill-connections", "Connection pool size for prefill requests.", 1024, int),

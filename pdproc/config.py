@@ -47,7 +47,7 @@ class Settings:
     max_body_bytes: int = 16 * MiB
     on_bootstrap_error: BootstrapPolicy = BootstrapPolicy.REJECT
     breaker_failures: int = 5
-    breaker_cooldown_s: float = 10.0
+    breaker_cooldown_s: float = 10.0  # the longest; the first wait is 1 s
     drain_timeout_s: float = 30.0
     # After SIGTERM, keep serving this long while health checks report NOT_SERVING, so Envoy
     # moves new streams to other replicas before this one refuses them.
