@@ -250,6 +250,19 @@ def _processor_healthy(admin: HostPort) -> bool:
     return bool(flags) and all(line.endswith("::healthy") for line in flags)
 
 
+def scrape_metric(metrics: HostPort, name: str, **labels: str) -> float:
+    """The sum of the samples `name{labels}` on a pdproc /metrics page (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    page = http_get(metrics.url() + "/metrics")[1].decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(page)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
 @dataclass
 class Stack:
     """sim pair + pdproc + Envoy, started together, stopped together."""
@@ -272,16 +285,7 @@ class Stack:
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of pdproc's /metrics (0 when absent), e.g. `pdproc_requests_total`."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        total = 0.0
-        for family in text_string_to_metric_families(self.metrics_text()):
-            for sample in family.samples:
-                if sample.name == name and all(
-                    sample.labels.get(k) == v for k, v in labels.items()
-                ):
-                    total += sample.value
-        return total
+        return scrape_metric(self.metrics_addr, name, **labels)
 
     def sim_get(self, role: str, path: str) -> Any:
         """GET a /sim/* endpoint of the simulated `prefill` or `decode` server."""
