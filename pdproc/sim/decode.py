@@ -23,6 +23,7 @@ from pdproc.sim.openai_shapes import (
     check_sampling,
     error_body,
     parse_object,
+    role_kv_params,
     wants_stream,
 )
 from pdproc.sim.state import JsonObject, RoleState, TransferResult, fault_status
@@ -68,16 +69,9 @@ class KvFailure:
 
 def decode_kv_params(body: JsonObject) -> KvParams | None:
     """Check kv_transfer_params like the llm-d mock decode (vLLM itself would fall back)."""
-    params = body.get("kv_transfer_params")
+    params = role_kv_params(body, "decode", remote_decode=False)
     if params is None:
         return None
-    if not isinstance(params, dict):
-        raise BadRequest("kv_transfer_params must be an object")
-    if params.get("do_remote_prefill") is not True or params.get("do_remote_decode") is not False:
-        raise BadRequest(
-            "decode expects kv_transfer_params with "
-            "do_remote_prefill=true and do_remote_decode=false"
-        )
     values = []
     for name in ("transfer_id", "remote_bootstrap_addr", "remote_engine_id"):
         value = params.get(name)

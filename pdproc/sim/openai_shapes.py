@@ -48,6 +48,24 @@ def error_body(code: int, message: str, err_type: str | None = None) -> JsonObje
     return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
 
 
+def role_kv_params(body: JsonObject, role: str, *, remote_decode: bool) -> JsonObject | None:
+    """The request's kv_transfer_params if present, checked to carry this role's flags:
+    the prefill's `do_remote_decode=true, do_remote_prefill=false`, the decode's the reverse."""
+    params = body.get("kv_transfer_params")
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise BadRequest("kv_transfer_params must be an object")
+    if params.get("do_remote_decode") is not remote_decode or (
+        params.get("do_remote_prefill") is not (not remote_decode)
+    ):
+        first, second = ("do_remote_decode", "do_remote_prefill")
+        if not remote_decode:
+            first, second = second, first
+        raise BadRequest(f"{role} expects kv_transfer_params with {first}=true and {second}=false")
+    return params
+
+
 def parse_object(raw: bytes) -> JsonObject:
     try:
         value = orjson.loads(raw)

@@ -24,6 +24,7 @@ from pdproc.sim.openai_shapes import (
     check_sampling,
     check_single_sequence,
     parse_object,
+    role_kv_params,
     wants_stream,
 )
 from pdproc.sim.state import (
@@ -131,16 +132,9 @@ def make_engine_ids(prefix: str | None, generation: int, ranks: int) -> list[str
 
 def prefill_transfer_id(body: JsonObject) -> str | None:
     """Check kv_transfer_params like vLLM's producer and the llm-d mock prefill."""
-    params = body.get("kv_transfer_params")
+    params = role_kv_params(body, "prefill", remote_decode=True)
     if params is None:
         return None
-    if not isinstance(params, dict):
-        raise BadRequest("kv_transfer_params must be an object")
-    if params.get("do_remote_decode") is not True or params.get("do_remote_prefill") is not False:
-        raise BadRequest(
-            "prefill expects kv_transfer_params with "
-            "do_remote_decode=true and do_remote_prefill=false"
-        )
     transfer_id = params.get("transfer_id")
     if not isinstance(transfer_id, str) or not transfer_id:
         raise BadRequest("Missing transfer_id in kv_transfer_params from router!")

@@ -46,6 +46,13 @@ class Harness:
     def open(self) -> Any:
         return self.stub.Process()
 
+    async def past_headers(self) -> Any:
+        """A stream whose P/D request headers (aimed at the simulator) were answered."""
+        call = self.open()
+        await call.write(headers_msg(extra=self.target))
+        await recv(call)
+        return call
+
     def sample(self, name: str, **labels: str) -> float:
         value = self.server.metrics.registry.get_sample_value(name, labels)
         return value or 0.0
@@ -198,9 +205,7 @@ async def test_response_headers_are_held_until_the_prefill_ends(
 ) -> None:
     h: Harness = await make_harness()
     await h.faults(prefill_hang=True)
-    call = h.open()
-    await call.write(headers_msg(extra=h.target))
-    await recv(call)
+    call = await h.past_headers()
     await call.write(body_msg(CHAT))
     await recv(call)
     await call.write(response_headers_msg("200"))
@@ -217,9 +222,7 @@ async def test_response_headers_are_held_until_the_prefill_ends(
 
 
 async def test_invalid_json_gets_400(h: Harness) -> None:
-    call = h.open()
-    await call.write(headers_msg(extra=h.target))
-    await recv(call)
+    call = await h.past_headers()
     await call.write(body_msg(b"{not json"))
     answer = await recv(call)
     immediate = answer.immediate_response
@@ -234,9 +237,7 @@ async def test_invalid_json_gets_400(h: Harness) -> None:
 
 
 async def test_array_body_gets_400(h: Harness) -> None:
-    call = h.open()
-    await call.write(headers_msg(extra=h.target))
-    await recv(call)
+    call = await h.past_headers()
     await call.write(body_msg(b"[1,2,3]"))
     assert (await recv(call)).immediate_response.status.code == 400
 
@@ -292,9 +293,7 @@ async def test_pool_member_is_used_without_header_or_allow_list(
 
 async def test_huge_body_is_rewritten(h: Harness) -> None:
     prompt = "x" * (5 * 1024 * 1024)  # past grpc's 4 MiB default receive limit
-    call = h.open()
-    await call.write(headers_msg(extra=h.target))
-    await recv(call)
+    call = await h.past_headers()
     await call.write(body_msg({**CHAT, "messages": [{"role": "user", "content": prompt}]}))
     answer = await recv(call, timeout_s=30)
     body = answer.request_body.response.body_mutation.body
@@ -304,9 +303,7 @@ async def test_huge_body_is_rewritten(h: Harness) -> None:
 
 async def test_body_over_limit_gets_413(make_harness: Callable[..., Any]) -> None:
     h: Harness = await make_harness(max_body_bytes=1024 * 1024)
-    call = h.open()
-    await call.write(headers_msg(extra=h.target))
-    await recv(call)
+    call = await h.past_headers()
     await call.write(body_msg({**CHAT, "prompt": "y" * (1024 * 1024 + 10)}))
     answer = await recv(call)
     assert answer.immediate_response.status.code == 413
@@ -314,18 +311,14 @@ async def test_body_over_limit_gets_413(make_harness: Callable[..., Any]) -> Non
 
 
 async def test_partial_body_gets_413(h: Harness) -> None:
-    call = h.open()
-    await call.write(headers_msg(extra=h.target))
-    await recv(call)
+    call = await h.past_headers()
     await call.write(body_msg(b'{"model":', end_of_stream=False))
     assert (await recv(call)).immediate_response.status.code == 413
 
 
 async def test_cancelled_stream_leaves_prefill_running(h: Harness) -> None:
     await h.faults(prefill_hang=True)
-    call = h.open()
-    await call.write(headers_msg(extra=h.target))
-    await recv(call)
+    call = await h.past_headers()
     await call.write(body_msg(CHAT))
     await recv(call)
     call.cancel()  # the client hung up; Envoy resets the stream
@@ -339,9 +332,7 @@ async def test_cancelled_stream_leaves_prefill_running(h: Harness) -> None:
 
 async def test_failed_prefill_aborts_before_response(h: Harness) -> None:
     await h.faults(prefill_status=500)
-    call = h.open()
-    await call.write(headers_msg(extra=h.target))
-    await recv(call)
+    call = await h.past_headers()
     await call.write(body_msg(CHAT))
     assert (await recv(call)).WhichOneof("response") == "request_body"
     abort = await recv(call)  # unsolicited: no message of Envoy's asked for it
@@ -363,9 +354,7 @@ async def test_prefill_timeout_aborts_held_response_with_504(
 ) -> None:
     h: Harness = await make_harness(prefill_timeout_s=0.3)
     await h.faults(prefill_hang=True)
-    call = h.open()
-    await call.write(headers_msg(extra=h.target))
-    await recv(call)
+    call = await h.past_headers()
     await call.write(body_msg(CHAT))
     await recv(call)
     await call.write(response_headers_msg("200"))
@@ -380,9 +369,7 @@ async def test_prefill_timeout_aborts_held_response_with_504(
 
 async def test_decode_error_is_passed_on_while_prefill_runs(h: Harness) -> None:
     await h.faults(prefill_hang=True)
-    call = h.open()
-    await call.write(headers_msg(extra=h.target))
-    await recv(call)
+    call = await h.past_headers()
     await call.write(body_msg(CHAT))
     await recv(call)
     await call.write(response_headers_msg("503"))
@@ -394,9 +381,7 @@ async def test_decode_error_is_passed_on_while_prefill_runs(h: Harness) -> None:
 @pytest.mark.parametrize("fault", ["down", "garbage", "empty"])
 async def test_bootstrap_failure_gets_502(h: Harness, fault: str) -> None:
     await h.faults(bootstrap=fault)
-    call = h.open()
-    await call.write(headers_msg(extra=h.target))
-    await recv(call)
+    call = await h.past_headers()
     await call.write(body_msg(CHAT))
     answer = await recv(call)
     assert answer.immediate_response.status.code == 502
@@ -407,9 +392,7 @@ async def test_bootstrap_failure_gets_502(h: Harness, fault: str) -> None:
 async def test_bootstrap_failure_decode_only_policy(make_harness: Callable[..., Any]) -> None:
     h: Harness = await make_harness(on_bootstrap_error=BootstrapPolicy.DECODE_ONLY)
     await h.faults(bootstrap="garbage")
-    call = h.open()
-    await call.write(headers_msg(extra=h.target))
-    await recv(call)
+    call = await h.past_headers()
     await call.write(body_msg({**CHAT, "kv_transfer_params": {"remote_bootstrap_addr": "x"}}))
     answer = await recv(call)
     body = orjson.loads(answer.request_body.response.body_mutation.body)
@@ -475,9 +458,7 @@ async def test_a_bug_is_answered_as_a_500_not_a_broken_stream(
 
     # The one stand-in in this file: a defect cannot be produced on purpose otherwise.
     monkeypatch.setattr(h.server.processor.engines, "get", broken)
-    call = h.open()
-    await call.write(headers_msg(extra=h.target))
-    await recv(call)
+    call = await h.past_headers()
     await call.write(body_msg(CHAT))
     answer = await recv(call)
     assert answer.immediate_response.status.code == 500
