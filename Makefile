@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev]' -e ./sim
 	@# xds-protos ships an old copy of opentelemetry/proto/*; whichever wheel pip unpacks last
 	@# wins. The OTLP exporters need opentelemetry-proto's own files.
 	$(PY) -m pip install --quiet --force-reinstall --no-deps opentelemetry-proto

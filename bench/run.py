@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from pdproc_sim import devstack
+from pdproc_sim.devstack import Process, SimPair, Stack
 
 from bench import chart
-from pdproc import devstack
-from pdproc.devstack import Process, SimPair, Stack
 from pdproc.targets import PREFILL_HEADER
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Command line: `pdproc serve | envoy-config | sim | demo`.
+"""Command line: `pdproc serve | envoy-config | sim | demo` (sim and demo: pdproc-sim).
 
 Every `serve` setting is a flag, an environment variable (`PDPROC_<FLAG>`, plus vLLM's
 `MOONCAKE_BOOTSTRAP_PORT`) and a key of the YAML file given with `--config`; the flag wins
@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
@@ -306,28 +307,28 @@ def _add_envoy_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["sim"]:
-        from pdproc.sim import main as sim_main
-
-        return sim_main(args_list[1:])
+    if args_list[:1] in (["sim"], ["demo"]):
+        # The simulator and the demo live in the separate pdproc-sim distribution.
+        try:
+            sim_entry: Callable[[list[str]], int] = import_module("pdproc_sim.cli").entry
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("pdproc_sim", "pdproc_sim.cli"):
+                raise
+            print(f"pdproc {args_list[0]}: install pdproc-sim for this command", file=sys.stderr)
+            return 2
+        return sim_entry(args_list)
     parser = argparse.ArgumentParser(prog="pdproc", description=__doc__)
     parser.add_argument("--version", action="version", version=f"pdproc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_envoy_config(sub)
-    sub.add_parser("sim", help="run the simulated vLLM prefill/decode pair (see `pdproc sim -h`)")
-    demo = sub.add_parser("demo", help="bundled Envoy + pdproc + simulated P/D pair on loopback")
-    demo.add_argument("--port", type=int, default=10000, help="Envoy listener port")
-    demo.add_argument("--dp-ranks", type=int, default=2)
+    sub.add_parser("sim", help="simulated vLLM prefill/decode pair (pdproc-sim; `pdproc sim -h`)")
+    sub.add_parser("demo", help="Envoy + pdproc + simulated P/D pair on loopback (pdproc-sim)")
     args = parser.parse_args(args_list)
     if args.command == "serve":
         return _serve(args)
     if args.command == "envoy-config":
         return _envoy_config(args)
-    if args.command == "demo":
-        from pdproc.demo import run_demo
-
-        return run_demo(port=args.port, dp_ranks=args.dp_ranks)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -16,8 +16,7 @@ import time
 from typing import Any
 
 import httpx
-
-from pdproc.devstack import Stack, free_port, running_stack, start_envoy
+from pdproc_sim.devstack import Stack, free_port, running_stack, start_envoy
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
 

@@ -8,8 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-
-from pdproc.devstack import Stack, running_stack
+from pdproc_sim.devstack import Stack, running_stack
 
 EXT_PROC_ERRORS = (
     "spurious_msgs_received",

@@ -12,9 +12,9 @@ from typing import Any
 
 import orjson
 import pytest
+from pdproc_sim.devstack import envoy_binary
 
 from bench.run import CONFIGS
-from pdproc.devstack import envoy_binary
 
 pytestmark = pytest.mark.e2e
 

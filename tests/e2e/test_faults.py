@@ -15,8 +15,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-
-from pdproc.devstack import Stack, free_port, running_stack
+from pdproc_sim.devstack import Stack, free_port, running_stack
 
 from .conftest import eventually, ext_proc_errors
 

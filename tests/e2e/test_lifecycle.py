@@ -10,8 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-
-from pdproc.devstack import http_get, running_stack, start_pdproc
+from pdproc_sim.devstack import http_get, running_stack, start_pdproc
 
 from .conftest import eventually
 

@@ -8,8 +8,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-
-from pdproc.devstack import Stack
+from pdproc_sim.devstack import Stack
 
 from .conftest import eventually, ext_proc_errors
 

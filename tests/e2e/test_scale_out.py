@@ -6,8 +6,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from pdproc.devstack import running_stack, scrape_metric, start_envoy, start_pdproc
+from pdproc_sim.devstack import running_stack, scrape_metric, start_envoy, start_pdproc
 
 pytestmark = pytest.mark.e2e
 

@@ -17,10 +17,10 @@ import pytest
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
 
 from pdproc.config import BootstrapPolicy, Settings
 from pdproc.server import ProcessorServer
-from pdproc.sim import PrefillConfig, RunningPrefill, start_prefill
 from pdproc.targets import AllowList
 
 from .messages import CHAT, body_msg, headers_msg, recv, response_headers_msg

@@ -18,10 +18,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
 
 from pdproc.config import Settings
 from pdproc.server import ProcessorServer
-from pdproc.sim import PrefillConfig, RunningPrefill, start_prefill
 from pdproc.targets import AllowList
 
 REQUEST_TO_RESPONSE = {

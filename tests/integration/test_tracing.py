@@ -14,10 +14,10 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
+from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
 
 from pdproc.config import Settings
 from pdproc.server import ProcessorServer
-from pdproc.sim import PrefillConfig, RunningPrefill, start_prefill
 from pdproc.targets import AllowList
 from pdproc.telemetry import provider_from_env
 

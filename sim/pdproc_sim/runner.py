@@ -7,9 +7,9 @@ from typing import Self
 
 from aiohttp import web
 
-from pdproc.sim import httpd
-from pdproc.sim.decode import DecodeConfig, DecodeState, build_decode_app
-from pdproc.sim.prefill import PrefillConfig, PrefillState, build_bootstrap_app, build_prefill_app
+from pdproc_sim import httpd
+from pdproc_sim.decode import DecodeConfig, DecodeState, build_decode_app
+from pdproc_sim.prefill import PrefillConfig, PrefillState, build_bootstrap_app, build_prefill_app
 
 
 class RunningSim:

@@ -1,4 +1,4 @@
-"""`pdproc sim ...` / `python -m pdproc.sim ...`: run simulated vLLM servers."""
+"""`pdproc-sim ...` / `pdproc sim ...` / `python -m pdproc_sim ...`: run simulated vLLM servers."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import orjson
 
-from pdproc.sim.decode import DecodeConfig
-from pdproc.sim.openai_shapes import DEFAULT_MODEL
-from pdproc.sim.prefill import PrefillConfig
-from pdproc.sim.runner import RunningSim, start_decode, start_prefill
+from pdproc_sim.decode import DecodeConfig
+from pdproc_sim.openai_shapes import DEFAULT_MODEL
+from pdproc_sim.prefill import PrefillConfig
+from pdproc_sim.runner import RunningSim, start_decode, start_prefill
 
-log = logging.getLogger("pdproc.sim")
+log = logging.getLogger("pdproc_sim")
 
 _DEFAULT_PREFILL_PORT = 8100
 _DEFAULT_BOOTSTRAP_PORT = 8998
@@ -168,10 +168,10 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def main(argv: list[str]) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     logging.basicConfig(
@@ -185,3 +185,14 @@ def main(argv: list[str]) -> int:
     ):
         return runner.run(_serve(args))
     return 0
+
+
+def entry(argv: Sequence[str]) -> int:
+    """`pdproc sim ...` and `pdproc demo ...` (pdproc's CLI delegates here; argv[0] is the
+    subcommand)."""
+    command, rest = argv[0], list(argv[1:])
+    if command == "demo":
+        from pdproc_sim.demo import main as demo_main
+
+        return demo_main(rest)
+    return main(rest)

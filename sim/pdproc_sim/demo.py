@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import signal
 import threading
+from collections.abc import Sequence
 
-from pdproc.devstack import running_stack
+from pdproc_sim.devstack import running_stack
 
 _CURL = """\
   curl -N {url}/v1/chat/completions -H 'content-type: application/json' -d '{{
@@ -33,3 +35,23 @@ def run_demo(port: int = 10000, dp_ranks: int = 2) -> int:
         )
         stop.wait()
     return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdproc demo",
+        description="Envoy + pdproc + a simulated vLLM prefill/decode pair on loopback.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--port", type=int, default=10000, help="Envoy listener port")
+    parser.add_argument("--dp-ranks", type=int, default=2, help="prefill data-parallel ranks")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    return run_demo(port=args.port, dp_ranks=args.dp_ranks)

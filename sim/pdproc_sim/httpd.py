@@ -11,8 +11,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from pdproc.sim.openai_shapes import Completion, error_body
-from pdproc.sim.state import JsonObject, RoleState
+from pdproc_sim.openai_shapes import Completion, error_body
+from pdproc_sim.state import JsonObject, RoleState
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

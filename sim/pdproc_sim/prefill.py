@@ -14,8 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
-from pdproc.sim import httpd
-from pdproc.sim.openai_shapes import (
+from pdproc_sim import httpd
+from pdproc_sim.openai_shapes import (
     DEFAULT_MODEL,
     MAX_GENERATED_TOKENS,
     Api,
@@ -27,7 +27,7 @@ from pdproc.sim.openai_shapes import (
     role_kv_params,
     wants_stream,
 )
-from pdproc.sim.state import (
+from pdproc_sim.state import (
     JsonObject,
     RoleState,
     TransferRegistry,

@@ -10,7 +10,7 @@ from typing import Any, TypeGuard
 
 import orjson
 
-from pdproc.sim.state import JsonObject
+from pdproc_sim.state import JsonObject
 
 DEFAULT_MODEL = "sim-model"
 MAX_GENERATED_TOKENS = 4096

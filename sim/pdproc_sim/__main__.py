@@ -1,6 +1,6 @@
 import sys
 
-from pdproc.sim import main
+from pdproc_sim import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

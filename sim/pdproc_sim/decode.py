@@ -13,8 +13,8 @@ import orjson
 from aiohttp import web
 from yarl import URL
 
-from pdproc.sim import httpd
-from pdproc.sim.openai_shapes import (
+from pdproc_sim import httpd
+from pdproc_sim.openai_shapes import (
     DEFAULT_MODEL,
     MAX_GENERATED_TOKENS,
     Api,
@@ -26,7 +26,7 @@ from pdproc.sim.openai_shapes import (
     role_kv_params,
     wants_stream,
 )
-from pdproc.sim.state import JsonObject, RoleState, TransferResult, fault_status
+from pdproc_sim.state import JsonObject, RoleState, TransferResult, fault_status
 
 # The long poll itself ends at kv_timeout_s on the bootstrap side; this margin only guards
 # against a bootstrap that never answers at all.

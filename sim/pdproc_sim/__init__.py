@@ -4,10 +4,10 @@ The decode really waits for the matching prefill (transfer_id, engine_id, rank) 
 long-polling the prefill's bootstrap server, and fails like vLLM when it never comes.
 """
 
-from pdproc.sim.cli import main
-from pdproc.sim.decode import DecodeConfig, DecodeState
-from pdproc.sim.prefill import PrefillConfig, PrefillState
-from pdproc.sim.runner import (
+from pdproc_sim.cli import main
+from pdproc_sim.decode import DecodeConfig, DecodeState
+from pdproc_sim.prefill import PrefillConfig, PrefillState
+from pdproc_sim.runner import (
     RunningDecode,
     RunningPrefill,
     RunningSim,
