@@ -19,13 +19,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-import orjson
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.struct_pb2 import Struct
 from opentelemetry.trace import Span
 
 from pdproc import mooncake
@@ -49,6 +49,13 @@ from pdproc.telemetry import (
 
 log = logging.getLogger(__name__)
 
+
+class _CheckOnly:
+    """Admission verdict: a P/D-path request the decode serves alone, body still checked."""
+
+
+_CHECK_ONLY = _CheckOnly()
+
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _STRIP_PREFILL_HEADER = pb.HeaderMutation(remove_headers=[PREFILL_HEADER])
 
@@ -69,6 +76,24 @@ _PASSTHROUGH = pb.ProcessingResponse(
     ),
 )
 _CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+# Body answers for a body pdproc has checked carry this mark, so a rule after ext_proc can
+# refuse client-chosen kv_transfer_params on requests pdproc never saw (it failed open).
+METADATA_CHECKED_KEY = "body_checked"
+_CHECKED = Struct()
+_CHECKED.update({"pdproc": {METADATA_CHECKED_KEY: True}})
+_CHECKED_REQUEST_BODY = pb.ProcessingResponse(
+    request_body=pb.BodyResponse(), dynamic_metadata=_CHECKED
+)
+# A P/D-path request pdproc does not disaggregate still has its body checked, but needs no
+# response phase.
+_CHECK_BODY_ONLY = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=_STRIP_PREFILL_HEADER)
+    ),
+    mode_override=ProcessingMode(
+        request_body_mode=ProcessingMode.BUFFERED, response_header_mode=ProcessingMode.SKIP
+    ),
+)
 _CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 _CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
 _CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
@@ -240,6 +265,7 @@ class RequestStream:
         self._unavailable: ErrorReply | None = None
         self._span: Span | None = None
         self._single_message = False
+        self._check_only = False  # P/D path, no prefill: only the body is checked
 
     async def run(self) -> None:
         while True:
@@ -325,6 +351,8 @@ class RequestStream:
         verdict = self._admit(header_dict(message), message.end_of_stream)
         if verdict is None:
             await self._passthrough(_PASSTHROUGH)
+        elif verdict is _CHECK_ONLY:
+            await self._write(_CHECK_BODY_ONLY)
         elif isinstance(verdict, ErrorReply):
             await self._reject(verdict)
         else:
@@ -334,24 +362,32 @@ class RequestStream:
             self._busy_s += time.perf_counter() - started
             await self._write(_CONTINUE_REQUEST_HEADERS)
 
-    def _admit(self, headers: dict[str, str], end_of_stream: bool) -> HostPort | ErrorReply | None:
-        """Decide from the request headers: a prefill target, an error, or None (not P/D)."""
+    def _admit(
+        self, headers: dict[str, str], end_of_stream: bool
+    ) -> HostPort | ErrorReply | _CheckOnly | None:
+        """Decide from the request headers: a prefill target, an error, a P/D-path request
+        served by the decode alone whose body is still checked, or None (not P/D)."""
         self._headers = headers
         self._path = headers.get(":path", "").split("?", 1)[0]
         self._span = self._p.tracing.request_span(headers, self._path, headers.get(":method", ""))
         if (
             end_of_stream
-            or self._p.draining
             or headers.get(":method") != "POST"
             or self._path not in self._p.settings.pd_paths
         ):
             return None
+        if self._p.draining:
+            self._check_only = True
+            return _CHECK_ONLY
         try:
             self._target = self._choose_target(headers.get(PREFILL_HEADER))
         except TargetError as exc:
             return ErrorReply(ErrorKind.BAD_REQUEST, str(exc))
         except PermissionError as exc:
             return ErrorReply(ErrorKind.FORBIDDEN, str(exc))
+        if self._target is None:
+            self._check_only = True
+            return _CHECK_ONLY
         return self._target
 
     def _choose_target(self, header: str | None) -> HostPort | None:
@@ -402,7 +438,7 @@ class RequestStream:
                     self._body_done = True
                     await self._reject(verdict)
                     return
-        if self._target is None or self._body_done:
+        if (self._target is None and not self._check_only) or self._body_done:
             # Passthrough whose override was not honoured, or a repeated end_of_stream.
             await self._write(_CONTINUE_REQUEST_BODY)
             return
@@ -425,7 +461,18 @@ class RequestStream:
         except mooncake.BodyError as exc:
             await self._reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
             return
+        if mooncake.KV_PARAMS in parsed:
+            # Only the gateway may point a decode pod at a KV source: a client's own params
+            # could aim it at any address.
+            await self._reject(
+                ErrorReply(ErrorKind.BAD_REQUEST, f"{mooncake.KV_PARAMS} is set by the gateway")
+            )
+            return
         target = self._target
+        if target is None:
+            # No prefill for this request (draining, or no target): the decode serves it.
+            await self._passthrough(_CHECKED_REQUEST_BODY)
+            return
         if self._unavailable is not None:
             await self._no_prefill(raw, parsed, self._unavailable)
             return
@@ -478,15 +525,7 @@ class RequestStream:
         )
         self._p.count(self._path, "decode_only")
         self._trace_outcome("decode_only")
-        # A client's kv_transfer_params must never reach the decode (it could point the
-        # decode pod at any address), even when the request is not disaggregated.
-        if mooncake.KV_PARAMS in parsed:
-            stripped = dict(parsed)
-            del stripped[mooncake.KV_PARAMS]
-            body = orjson.dumps(stripped)
-            await self._write(_body_response(body, content_length=not self._single_message))
-        else:
-            await self._write(_CONTINUE_REQUEST_BODY)
+        await self._write(_CHECKED_REQUEST_BODY)
         self._target = None
 
     # -- prefill outcome and the decode's response headers ----------------------------------
@@ -568,6 +607,7 @@ def _body_response(body: bytes, content_length: bool = True) -> pb.ProcessingRes
         length = str(len(body)).encode()
         common.header_mutation.set_headers.append(_header("content-length", length))
     common.body_mutation.body = body
+    response.dynamic_metadata.CopyFrom(_CHECKED)
     return response
 
 

@@ -94,9 +94,13 @@ def test_decode_only_policy_when_bootstrap_fails(tmp_path: Path) -> None:
     pdproc = ["--on-bootstrap-error", "decode-only"]
     with running_stack(["--itl-ms", "5"], pdproc, workdir=tmp_path) as st:
         st.sim_post("prefill", "/sim/faults", {"bootstrap": "down"})
-        response = post(st.envoy.url, str(st.sim.prefill), kv_transfer_params={"x": 1})
+        response = post(st.envoy.url, str(st.sim.prefill))
         assert response.status_code == 200
         decode = st.sim_get("decode", "/sim/requests")["requests"][-1]
         assert "kv_transfer_params" not in decode["body"]
         assert st.metric("pdproc_requests_total", outcome="decode_only") == 1
+        # A client's own params are refused, not forwarded, on this path too.
+        refused = post(st.envoy.url, str(st.sim.prefill), kv_transfer_params={"x": 1})
+        assert refused.status_code == 400
+        assert len(st.sim_get("decode", "/sim/requests")["requests"]) == 1
         assert st.sim_get("prefill", "/sim/requests")["requests"] == []

@@ -267,7 +267,12 @@ async def test_no_target_passes_through_unchanged(h: Harness) -> None:
     call = h.open()
     await call.write(headers_msg())
     answer = await recv(call)
-    assert answer.mode_override.request_body_mode == ProcessingMode.NONE
+    # The body is still checked (client kv_transfer_params), the response phase skipped.
+    assert answer.mode_override.request_body_mode == ProcessingMode.BUFFERED
+    assert answer.mode_override.response_header_mode == ProcessingMode.SKIP
+    await call.write(body_msg(CHAT))
+    body_answer = await recv(call)
+    assert not body_answer.request_body.response.HasField("body_mutation")
     assert (
         h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="passthrough") == 1
     )
@@ -393,11 +398,10 @@ async def test_bootstrap_failure_decode_only_policy(make_harness: Callable[..., 
     h: Harness = await make_harness(on_bootstrap_error=BootstrapPolicy.DECODE_ONLY)
     await h.faults(bootstrap="garbage")
     call = await h.past_headers()
-    await call.write(body_msg({**CHAT, "kv_transfer_params": {"remote_bootstrap_addr": "x"}}))
+    await call.write(body_msg(CHAT))
     answer = await recv(call)
-    body = orjson.loads(answer.request_body.response.body_mutation.body)
-    assert "kv_transfer_params" not in body  # a client's params never reach the decode
-    assert body["messages"] == CHAT["messages"]
+    assert not answer.request_body.response.HasField("body_mutation")  # the client's bytes
+    assert answer.dynamic_metadata.fields["pdproc"].struct_value.fields["body_checked"].bool_value
     assert (
         h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="decode_only") == 1
     )
@@ -465,3 +469,18 @@ async def test_a_bug_is_answered_as_a_500_not_a_broken_stream(
     assert orjson.loads(answer.immediate_response.body)["type"] == "InternalServerError"
     assert h.sample("pdproc_requests_total", path="/v1/chat/completions",
                     outcome="internal_error") == 1  # fmt: skip
+
+
+@pytest.mark.parametrize("target", [True, False])
+async def test_client_kv_transfer_params_are_refused(h: Harness, target: bool) -> None:
+    """Whether or not pdproc disaggregates the request (no prefill target here when
+    `target` is false), a client's own kv_transfer_params never reach the decode."""
+    call = h.open()
+    await call.write(headers_msg(extra=h.target if target else {}))
+    await recv(call)
+    evil = {"remote_bootstrap_addr": "http://169.254.169.254:80", "do_remote_prefill": True}
+    await call.write(body_msg({**CHAT, "kv_transfer_params": evil}))
+    answer = await recv(call)
+    assert answer.immediate_response.status.code == 400
+    assert "kv_transfer_params" in orjson.loads(answer.immediate_response.body)["message"]
+    assert await h.prefill_records() == []
