@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 from urllib.parse import quote
 
@@ -22,7 +23,6 @@ from pdproc_sim.openai_shapes import (
     Completion,
     check_sampling,
     error_body,
-    parse_object,
     role_kv_params,
     wants_stream,
 )
@@ -111,6 +111,9 @@ class DecodeState(RoleState):
     def reset(self) -> None:
         super().reset()
         self._zero_counters()
+
+    def injected_status(self) -> int | None:
+        return self.fault_status
 
     def faults_json(self) -> JsonObject:
         return {"status": self.fault_status}
@@ -221,22 +224,14 @@ class _Job:
 
 
 async def _serve_completion(
-    state: DecodeState, api: Api, request: web.Request, exchange: httpd.Exchange
+    state: DecodeState,
+    api: Api,
+    request: web.Request,
+    exchange: httpd.Exchange,
+    body: JsonObject,
+    body_bytes: int,
 ) -> web.StreamResponse:
-    raw = await request.read()
-    try:
-        body = parse_object(raw)
-    except BadRequest as exc:
-        exchange.record = httpd.record_request(state, request, raw, None)
-        return exchange.reply(httpd.error_response(400, str(exc)), "rejected")
-    exchange.record = httpd.record_request(state, request, raw, body)
-    if state.fault_status is not None:
-        reply = httpd.error_response(state.fault_status, "simulated decode failure")
-        return exchange.reply(reply, "fault")
-    try:
-        job = _validate(state, api, body, len(raw))
-    except BadRequest as exc:
-        return exchange.reply(httpd.error_response(400, str(exc)), "rejected")
+    job = _validate(state, api, body, body_bytes)
     if job.kv is not None:
         state.pd_requests += 1
     if job.stream:
@@ -317,16 +312,12 @@ async def _passthrough(
 
 def build_decode_app(state: DecodeState) -> web.Application:
     app = httpd.new_app()
-    for api in Api:
-        app.router.add_post(api.value, _completion_handler(state, api))
+    httpd.add_completion_routes(app, state, partial(_serve_completion, state))
     httpd.add_model_routes(app, state.config.model)
     httpd.add_introspection_routes(app, state)
-
-    async def passthrough(request: web.Request) -> web.StreamResponse:
-        return await httpd.run_exchange(state, request, lambda r, e: _passthrough(state, r, e))
-
     # Registered last: aiohttp falls through to it for unknown paths and for other methods
     # on the routes above, so passthrough tests see every request arrive.
+    passthrough = httpd.exchange_handler(state, partial(_passthrough, state))
     app.router.add_route("*", "/{tail:.*}", passthrough)
     app.cleanup_ctx.append(_session_context(state))
     return app
@@ -344,13 +335,3 @@ def _session_context(state: DecodeState) -> Callable[[web.Application], AsyncIte
             await session.close()
 
     return context
-
-
-def _completion_handler(state: DecodeState, api: Api) -> httpd.Handler:
-    async def serve(request: web.Request, exchange: httpd.Exchange) -> web.StreamResponse:
-        return await _serve_completion(state, api, request, exchange)
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        return await httpd.run_exchange(state, request, serve)
-
-    return handler

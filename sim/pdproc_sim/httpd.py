@@ -6,15 +6,19 @@ import asyncio
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from pdproc_sim.openai_shapes import Completion, error_body
+from pdproc_sim.openai_shapes import Api, BadRequest, Completion, error_body, parse_object
 from pdproc_sim.state import JsonObject, RoleState
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ExchangeServer = Callable[[web.Request, "Exchange"], Awaitable[web.StreamResponse]]
+BodyServer = Callable[[web.Request, "Exchange", JsonObject, int], Awaitable[web.StreamResponse]]
+ApiServer = Callable[[Api, web.Request, "Exchange", JsonObject, int], Awaitable[web.StreamResponse]]
 
 # Prompts in benchmarks are ~1 MiB of JSON; aiohttp's default cap (1 MiB) would reject them.
 CLIENT_MAX_SIZE = 256 * 1024 * 1024
@@ -216,23 +220,49 @@ class Exchange:
             record["served_at"] = time.time()
 
 
-async def run_exchange(
-    state: RoleState,
-    request: web.Request,
-    serve_fn: Callable[[web.Request, Exchange], Awaitable[web.StreamResponse]],
-) -> web.StreamResponse:
-    exchange = Exchange(state, request)
-    try:
-        return await serve_fn(request, exchange)
-    except asyncio.CancelledError:
-        # aiohttp cancels the handler when the client goes away; count it, then let it unwind.
-        exchange.cancel()
-        raise
-    except Exception:
-        exchange.outcome = "error"
-        raise
-    finally:
-        exchange.finish()
+def exchange_handler(state: RoleState, serve: ExchangeServer) -> Handler:
+    """An aiohttp handler that keeps the books of each request (gauge, counter, record)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        exchange = Exchange(state, request)
+        try:
+            return await serve(request, exchange)
+        except asyncio.CancelledError:
+            # aiohttp cancels the handler when the client goes away; count it, then unwind.
+            exchange.cancel()
+            raise
+        except Exception:
+            exchange.outcome = "error"
+            raise
+        finally:
+            exchange.finish()
+
+    return handler
+
+
+def json_handler(state: RoleState, serve: BodyServer) -> Handler:
+    """The plumbing every simulated completion endpoint shares: read the body, answer 400
+    unless it is a JSON object, record it, answer an injected fault, then `serve` it. A
+    BadRequest that `serve` raises (before it starts answering) becomes a 400."""
+
+    async def serve_json(request: web.Request, exchange: Exchange) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = parse_object(raw)
+        except BadRequest as exc:
+            exchange.record = record_request(state, request, raw, None)
+            return exchange.reply(error_response(400, str(exc)), "rejected")
+        exchange.record = record_request(state, request, raw, body)
+        injected = state.injected_status()
+        if injected is not None:
+            reply = error_response(injected, f"simulated {state.role} failure")
+            return exchange.reply(reply, "fault")
+        try:
+            return await serve(request, exchange, body, len(raw))
+        except BadRequest as exc:
+            return exchange.reply(error_response(400, str(exc)), "rejected")
+
+    return exchange_handler(state, serve_json)
 
 
 async def stream_completion(
@@ -249,3 +279,9 @@ async def stream_completion(
         return response
     exchange.outcome = exchange.outcome or "ok"
     return response
+
+
+def add_completion_routes(app: web.Application, state: RoleState, serve: ApiServer) -> None:
+    """POST routes for every simulated API, each through `json_handler`."""
+    for api in Api:
+        app.router.add_post(api.value, json_handler(state, partial(serve, api)))

@@ -10,6 +10,7 @@ import random
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -23,7 +24,6 @@ from pdproc_sim.openai_shapes import (
     Completion,
     check_sampling,
     check_single_sequence,
-    parse_object,
     role_kv_params,
     wants_stream,
 )
@@ -274,23 +274,15 @@ class _Job:
 
 
 async def _serve_completion(
-    state: PrefillState, api: Api, request: web.Request, exchange: httpd.Exchange
+    state: PrefillState,
+    api: Api,
+    request: web.Request,
+    exchange: httpd.Exchange,
+    body: JsonObject,
+    body_bytes: int,
 ) -> web.StreamResponse:
-    raw = await request.read()
-    try:
-        body = parse_object(raw)
-    except BadRequest as exc:
-        exchange.record = httpd.record_request(state, request, raw, None)
-        return exchange.reply(httpd.error_response(400, str(exc)), "rejected")
-    exchange.record = httpd.record_request(state, request, raw, body)
-    injected = state.injected_status()
-    if injected is not None:
-        reply = httpd.error_response(injected, "simulated prefill failure")
-        return exchange.reply(reply, "fault")
-    try:
-        job = _validate(state, api, request, body, len(raw), exchange.record)
-    except BadRequest as exc:
-        return exchange.reply(httpd.error_response(400, str(exc)), "rejected")
+    assert exchange.record is not None
+    job = _validate(state, api, request, body, body_bytes, exchange.record)
     return await _run_prefill(state, job, request, exchange)
 
 
@@ -355,8 +347,7 @@ async def _answer(
 
 def build_prefill_app(state: PrefillState) -> web.Application:
     app = httpd.new_app()
-    for api in Api:
-        app.router.add_post(api.value, _completion_handler(state, api))
+    httpd.add_completion_routes(app, state, partial(_serve_completion, state))
 
     async def restart(_: web.Request) -> web.StreamResponse:
         state.restart()
@@ -367,16 +358,6 @@ def build_prefill_app(state: PrefillState) -> web.Application:
     httpd.add_model_routes(app, state.config.model)
     httpd.add_introspection_routes(app, state)
     return app
-
-
-def _completion_handler(state: PrefillState, api: Api) -> httpd.Handler:
-    async def serve(request: web.Request, exchange: httpd.Exchange) -> web.StreamResponse:
-        return await _serve_completion(state, api, request, exchange)
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        return await httpd.run_exchange(state, request, serve)
-
-    return handler
 
 
 def build_bootstrap_app(state: PrefillState) -> web.Application:

@@ -214,6 +214,10 @@ class RoleState:
         self.requests.clear()
         self.cancelled = 0
 
+    def injected_status(self) -> int | None:
+        """The error status an injected fault answers this request with, if any."""
+        return None
+
     def faults_json(self) -> JsonObject:
         return {}
 
