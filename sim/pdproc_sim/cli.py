@@ -9,13 +9,25 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import orjson
 
+from pdproc_sim.connectors import (
+    CONNECTORS,
+    DEFAULT_CONNECTOR,
+    DEFAULT_KV_TIMEOUT_S,
+    MOONCAKE,
+    SGLANG,
+    SGLANG_BOOTSTRAP_TIMEOUT_S,
+)
 from pdproc_sim.decode import DecodeConfig
 from pdproc_sim.openai_shapes import DEFAULT_MODEL
+from pdproc_sim.prefill import FAULT_FIELDS as PREFILL_FAULTS
 from pdproc_sim.prefill import PrefillConfig
 from pdproc_sim.runner import RunningSim, start_decode, start_prefill
+from pdproc_sim.state import JsonObject
 
 log = logging.getLogger("pdproc_sim")
 
@@ -31,11 +43,71 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"port {value} out of range (0: pick a free one)")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _fault(text: str) -> tuple[str, Any]:
+    name, sep, raw = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        value: Any = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        value = raw  # a bare word: a string (`--fault bootstrap=down`)
+    return name, value
+
+
+class _Format(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in --help, except where there is none to show (off, empty, connector's)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
+_FORMAT = _Format
+
+
+_PREFILL_PORT = "OpenAI API port of the prefill (0: pick a free one)"
+_BOOTSTRAP_PORT = (
+    "port of the prefill's bootstrap server: Mooncake /query, NIXL side channel (remote_port) "
+    "or SGLang bootstrap_port (0: pick a free one)"
+)
+_DECODE_PORT = "OpenAI API port of the decode (0: pick a free one)"
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="listen address (IPv6 ok)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name served")
     parser.add_argument(
+        "--kv-connector",
+        choices=CONNECTORS,
+        default=DEFAULT_CONNECTOR,
+        help="KV hand-over protocol both legs speak (see docs/simulator.md)",
+    )
+    parser.add_argument(
         "--record-limit", type=_positive_int, default=10_000, help="request ring size"
+    )
+    parser.add_argument(
+        "--fault",
+        action="append",
+        type=_fault,
+        default=[],
+        metavar="NAME=VALUE",
+        help="start with this fault set, as POST /sim/faults would set it (repeatable; the "
+        "value is JSON, else a string: --fault prefill_status=503 --fault bootstrap=down)",
     )
     parser.add_argument(
         "--log-level",
@@ -49,44 +121,82 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 def _add_prefill_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp-ranks", type=_positive_int, default=1, help="data-parallel ranks")
     parser.add_argument("--engine-id-prefix", default=None, help="engine id base (else uuid4)")
-    parser.add_argument("--prefill-delay-ms", type=float, default=0.0)
     parser.add_argument(
-        "--prefill-ms-per-kib", type=float, default=0.0, help="extra delay per KiB of body"
+        "--prefill-delay-ms", type=_seconds, default=0.0, help="compute time of each prefill"
     )
-    parser.add_argument("--kv-ttl-s", type=float, default=600.0, help="keep finished transfers")
+    parser.add_argument(
+        "--prefill-ms-per-kib", type=_seconds, default=0.0, help="extra delay per KiB of body"
+    )
+    parser.add_argument(
+        "--kv-ttl-s", type=_seconds, default=600.0, help="keep finished transfers this long"
+    )
+    parser.add_argument(
+        "--sglang-bootstrap-timeout-s",
+        type=_seconds,
+        default=SGLANG_BOOTSTRAP_TIMEOUT_S,
+        help="sglang: how long a prefill waits for its decode to bootstrap, then answers 500 "
+        "(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
+    )
 
 
 def _add_decode_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--first-token-delay-ms", type=float, default=0.0)
-    parser.add_argument("--itl-ms", type=float, default=0.0, help="delay between tokens")
-    parser.add_argument("--kv-timeout-s", type=float, default=480.0, help="wait for the prefill")
+    parser.add_argument(
+        "--first-token-delay-ms", type=_seconds, default=0.0, help="delay before the first token"
+    )
+    parser.add_argument("--itl-ms", type=_seconds, default=0.0, help="delay between tokens")
+    parser.add_argument(
+        "--kv-timeout-s",
+        type=_seconds,
+        default=None,
+        help="how long a decode waits for its KV (default: the connector's, vLLM "
+        f"{DEFAULT_KV_TIMEOUT_S[MOONCAKE]:g} s, SGLang {DEFAULT_KV_TIMEOUT_S[SGLANG]:g} s)",
+    )
     parser.add_argument(
         "--default-tokens", type=_positive_int, default=16, help="when max_tokens absent"
     )
+    parser.add_argument(
+        "--require-kv",
+        action="store_true",
+        help="reject (400) completions without a KV hand-over instead of serving them alone "
+        "(an sglang decode always does)",
+    )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "pdproc sim") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pdproc sim", description="Simulated vLLM Mooncake prefill/decode servers."
+        prog=prog,
+        description="Simulated vLLM / SGLang prefill and decode servers that speak the "
+        "Mooncake, NIXL v2 or SGLang KV hand-over.",
+        formatter_class=_FORMAT,
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    prefill = sub.add_parser("prefill", help="prefill server + Mooncake bootstrap server")
+    prefill = sub.add_parser(
+        "prefill", help="prefill server + its bootstrap server", formatter_class=_FORMAT
+    )
     _add_common(prefill)
-    prefill.add_argument("--port", type=int, default=_DEFAULT_PREFILL_PORT)
-    prefill.add_argument("--bootstrap-port", type=int, default=_DEFAULT_BOOTSTRAP_PORT)
+    prefill.add_argument("--port", type=_port, default=_DEFAULT_PREFILL_PORT, help=_PREFILL_PORT)
+    prefill.add_argument(
+        "--bootstrap-port", type=_port, default=_DEFAULT_BOOTSTRAP_PORT, help=_BOOTSTRAP_PORT
+    )
     _add_prefill_flags(prefill)
 
-    decode = sub.add_parser("decode", help="decode server")
+    decode = sub.add_parser("decode", help="decode server", formatter_class=_FORMAT)
     _add_common(decode)
-    decode.add_argument("--port", type=int, default=_DEFAULT_DECODE_PORT)
+    decode.add_argument("--port", type=_port, default=_DEFAULT_DECODE_PORT, help=_DECODE_PORT)
     _add_decode_flags(decode)
 
-    pair = sub.add_parser("pair", help="prefill, bootstrap and decode in one process")
+    pair = sub.add_parser(
+        "pair", help="prefill, bootstrap and decode in one process", formatter_class=_FORMAT
+    )
     _add_common(pair)
-    pair.add_argument("--prefill-port", type=int, default=_DEFAULT_PREFILL_PORT)
-    pair.add_argument("--bootstrap-port", type=int, default=_DEFAULT_BOOTSTRAP_PORT)
-    pair.add_argument("--decode-port", type=int, default=_DEFAULT_DECODE_PORT)
+    pair.add_argument(
+        "--prefill-port", type=_port, default=_DEFAULT_PREFILL_PORT, help=_PREFILL_PORT
+    )
+    pair.add_argument(
+        "--bootstrap-port", type=_port, default=_DEFAULT_BOOTSTRAP_PORT, help=_BOOTSTRAP_PORT
+    )
+    pair.add_argument("--decode-port", type=_port, default=_DEFAULT_DECODE_PORT, help=_DECODE_PORT)
     _add_prefill_flags(pair)
     _add_decode_flags(pair)
     return parser
@@ -104,6 +214,8 @@ def prefill_config(args: argparse.Namespace, port: int) -> PrefillConfig:
         kv_ttl_s=args.kv_ttl_s,
         model=args.model,
         record_limit=args.record_limit,
+        kv_connector=args.kv_connector,
+        sglang_bootstrap_timeout_s=args.sglang_bootstrap_timeout_s,
     )
 
 
@@ -117,22 +229,38 @@ def decode_config(args: argparse.Namespace, port: int) -> DecodeConfig:
         default_tokens=args.default_tokens,
         model=args.model,
         record_limit=args.record_limit,
+        kv_connector=args.kv_connector,
+        require_kv=args.require_kv,
     )
+
+
+def split_faults(command: str, faults: list[tuple[str, Any]]) -> tuple[JsonObject, JsonObject]:
+    """--fault values as (prefill patch, decode patch): in a pair each goes to the role that
+    knows the field; a lone server takes all (and rejects what it does not know)."""
+    prefill: JsonObject = {}
+    decode: JsonObject = {}
+    for name, value in faults:
+        to_prefill = command == "prefill" or (command == "pair" and name in PREFILL_FAULTS)
+        (prefill if to_prefill else decode)[name] = value
+    return prefill, decode
 
 
 async def _start_all(args: argparse.Namespace, started: list[RunningSim]) -> dict[str, object]:
     """Start what the subcommand asks for; `started` collects them for cleanup on failure."""
-    ready: dict[str, object] = {"ready": True}
+    ready: dict[str, object] = {"ready": True, "kv_connector": args.kv_connector}
+    prefill_faults, decode_faults = split_faults(args.command, args.fault)
     if args.command in ("prefill", "pair"):
         port = args.port if args.command == "prefill" else args.prefill_port
         prefill = await start_prefill(prefill_config(args, port))
         started.append(prefill)
+        prefill.state.apply_faults(prefill_faults)
         ready["prefill"] = prefill.address
         ready["bootstrap"] = prefill.bootstrap_address
     if args.command in ("decode", "pair"):
         port = args.port if args.command == "decode" else args.decode_port
         decode = await start_decode(decode_config(args, port))
         started.append(decode)
+        decode.state.apply_faults(decode_faults)
         ready["decode"] = decode.address
     return ready
 
@@ -149,6 +277,9 @@ async def _serve(args: argparse.Namespace) -> int:
         except OSError as exc:
             log.error("cannot listen: %s", exc)
             return 1
+        except ValueError as exc:
+            sys.stderr.write(f"{_prog()}: --fault: {exc}\n")
+            return 2
         sys.stdout.write(orjson.dumps(ready).decode() + "\n")
         sys.stdout.flush()
         log.info("simulator ready: %s", ready)
@@ -168,8 +299,12 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
+def _prog() -> str:
+    return "pdproc-sim" if Path(sys.argv[0]).name == "pdproc-sim" else "pdproc sim"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(_prog())
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     except SystemExit as exc:

@@ -1,8 +1,10 @@
-"""Simulated vLLM decode instance (Mooncake kv_consumer)."""
+"""Simulated decode instance (vLLM kv_consumer for Mooncake / NIXL, SGLang decode): it only
+emits a token once the KV of the matching prefill has really arrived."""
 
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -15,6 +17,16 @@ from aiohttp import web
 from yarl import URL
 
 from pdproc_sim import httpd
+from pdproc_sim.connectors import (
+    DEFAULT_KV_TIMEOUT_S,
+    MOONCAKE,
+    NIXLV2,
+    SGLANG,
+    SGLANG_NO_ROOM,
+    DecodeTicket,
+    check_connector,
+    decode_ticket,
+)
 from pdproc_sim.openai_shapes import (
     DEFAULT_MODEL,
     MAX_GENERATED_TOKENS,
@@ -23,15 +35,16 @@ from pdproc_sim.openai_shapes import (
     Completion,
     check_sampling,
     error_body,
-    role_kv_params,
+    prompt_digest,
     wants_stream,
 )
 from pdproc_sim.state import JsonObject, RoleState, TransferResult, fault_status
 
-# The long poll itself ends at kv_timeout_s on the bootstrap side; this margin only guards
+# The long poll itself ends at the KV timeout on the bootstrap side; this margin only guards
 # against a bootstrap that never answers at all.
 _KV_HTTP_MARGIN_S = 30.0
 _KV_CONNECT_TIMEOUT_S = 5.0
+_KV_ROUTE = {MOONCAKE: "/sim/kv/", NIXLV2: "/sim/nixl/", SGLANG: "/sim/sglang/"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,45 +53,48 @@ class DecodeConfig:
     port: int = 0
     first_token_delay_ms: float = 0.0
     itl_ms: float = 0.0
-    kv_timeout_s: float = 480.0
+    # How long a decode waits for its KV; None: the connector's default (vLLM 480 s,
+    # SGLang 300 s).
+    kv_timeout_s: float | None = None
     default_tokens: int = 16
     model: str = DEFAULT_MODEL
     record_limit: int = 10_000
     record_max_body_bytes: int = 64 * 1024
+    kv_connector: str = MOONCAKE
+    # Reject completions that carry no KV hand-over (400) instead of serving them alone.
+    # An SGLang decode always does.
+    require_kv: bool = False
 
+    def __post_init__(self) -> None:
+        check_connector(self.kv_connector)
 
-@dataclass(frozen=True, slots=True)
-class KvParams:
-    transfer_id: str
-    bootstrap_addr: str
-    engine_id: str
+    @property
+    def kv_wait_s(self) -> float:
+        if self.kv_timeout_s is not None:
+            return self.kv_timeout_s
+        return DEFAULT_KV_TIMEOUT_S[self.kv_connector]
 
 
 @dataclass(frozen=True, slots=True)
 class KvFailure:
+    """Why a decode got no usable KV: a short `reason` (stats, records) and the detail."""
+
     reason: str
     detail: str
 
-    @property
-    def message(self) -> str:
-        return f"KV transfer failed: {self.reason}: {self.detail}"
+    def message(self, ticket: DecodeTicket) -> str:
+        if ticket.connector != SGLANG:
+            return f"KV transfer failed: {self.reason}: {self.detail}"
+        room = ticket.room
+        return (
+            f"Decode transfer failed for request rank=0 bootstrap_room={room} "
+            f"with exception KVTransferError(bootstrap_room={room}): {self.detail}"
+        )
 
-    def body(self) -> JsonObject:
-        return error_body(500, self.message, "InternalServerError")
-
-
-def decode_kv_params(body: JsonObject) -> KvParams | None:
-    """Check kv_transfer_params like the llm-d mock decode (vLLM itself would fall back)."""
-    params = role_kv_params(body, "decode", remote_decode=False)
-    if params is None:
-        return None
-    values = []
-    for name in ("transfer_id", "remote_bootstrap_addr", "remote_engine_id"):
-        value = params.get(name)
-        if not isinstance(value, str) or not value:
-            raise BadRequest(f"kv_transfer_params.{name} must be a non-empty string")
-        values.append(value)
-    return KvParams(*values)
+    def body(self, ticket: DecodeTicket, *, streamed: bool) -> JsonObject:
+        # SGLang answers errors in its own shape, except in a stream (vLLM's shape there).
+        sglang = ticket.connector == SGLANG and not streamed
+        return error_body(500, self.message(ticket), "InternalServerError", sglang=sglang)
 
 
 class DecodeState(RoleState):
@@ -87,6 +103,8 @@ class DecodeState(RoleState):
     def __init__(self, config: DecodeConfig) -> None:
         super().__init__(config.record_limit, config.record_max_body_bytes)
         self.config = config
+        self.connector = config.kv_connector
+        self.sglang_errors = self.connector == SGLANG
         self.fault_status: int | None = None
         self.session: aiohttp.ClientSession | None = None
         self._zero_counters()
@@ -100,6 +118,7 @@ class DecodeState(RoleState):
     def stats_json(self) -> JsonObject:
         stats = super().stats_json()
         stats.update(
+            kv_connector=self.connector,
             completed=self.completed,
             pd_requests=self.pd_requests,
             kv_ok=self.kv_ok,
@@ -130,14 +149,25 @@ class DecodeState(RoleState):
             raise ValueError(f"unknown fault fields: {sorted(patch)}")
         self.fault_status = status
 
-    async def pull_kv(self, params: KvParams, record: JsonObject) -> KvFailure | None:
-        """Stand-in for the Mooncake pull: long-poll the prefill's bootstrap for the transfer."""
-        outcome = await self._poll(params)
+    async def pull_kv(
+        self, ticket: DecodeTicket, digest: str, record: JsonObject
+    ) -> KvFailure | None:
+        """Stand-in for the connector's transfer: ask the prefill's bootstrap / side-channel
+        server for the transfer the ticket names (Mooncake and SGLang wait for it there), then
+        check it is the KV this request needs."""
+        started = time.monotonic()
+        outcome = await self._poll(ticket)
         if isinstance(outcome, TransferResult):
-            failure = _judge(params, outcome)
+            failure = _judge(ticket, digest, outcome)
             record["kv"] = {"reason": failure.reason if failure else None, **outcome.to_json()}
         else:
             failure = outcome
+            if failure.reason == "timeout" and ticket.connector == SGLANG:
+                failure = KvFailure(
+                    "timeout",
+                    f"Request {ticket.room} timed out after {time.monotonic() - started:.1f}s "
+                    "in KVPoll.WaitingForInput",
+                )
             record["kv"] = {"reason": failure.reason, "engine_id": None, "dp_rank": None}
         if failure is None:
             self.kv_ok += 1
@@ -145,12 +175,12 @@ class DecodeState(RoleState):
             self.kv_failures[failure.reason] += 1
         return failure
 
-    async def _poll(self, params: KvParams) -> TransferResult | KvFailure:
+    async def _poll(self, ticket: DecodeTicket) -> TransferResult | KvFailure:
         assert self.session is not None, "decode app not started"
-        timeout_s = self.config.kv_timeout_s
-        url = _kv_url(params, timeout_s)
+        timeout_s = self.config.kv_wait_s
+        url = _kv_url(ticket, timeout_s)
         if url is None:
-            return KvFailure("bootstrap_unreachable", f"bad address {params.bootstrap_addr!r}")
+            return KvFailure("bootstrap_unreachable", f"bad address {ticket.url!r}")
         timeout = aiohttp.ClientTimeout(
             total=timeout_s + _KV_HTTP_MARGIN_S, sock_connect=_KV_CONNECT_TIMEOUT_S
         )
@@ -158,23 +188,26 @@ class DecodeState(RoleState):
             async with self.session.get(url, timeout=timeout) as response:
                 status, payload = response.status, await response.read()
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            detail = f"{params.bootstrap_addr}: {type(exc).__name__}: {exc}"
+            detail = f"{ticket.url}: {type(exc).__name__}: {exc}"
             return KvFailure("bootstrap_unreachable", detail)
-        return _parse_poll(params, status, payload)
+        return _parse_poll(ticket, status, payload)
 
 
-def _kv_url(params: KvParams, timeout_s: float) -> URL | None:
-    base = params.bootstrap_addr.rstrip("/")
+def _kv_url(ticket: DecodeTicket, timeout_s: float) -> URL | None:
+    path = _KV_ROUTE[ticket.connector] + quote(ticket.key, safe="")
     try:
-        url = URL(f"{base}/sim/kv/{quote(params.transfer_id, safe='')}", encoded=True)
+        url = URL(ticket.url + path, encoded=True)
     except ValueError:
         return None
     if url.scheme not in ("http", "https") or not url.host:
         return None
-    return url.with_query(engine_id=params.engine_id, timeout_s=str(timeout_s))
+    query = {"timeout_s": str(timeout_s)}
+    if ticket.engine_id is not None:
+        query["engine_id"] = ticket.engine_id
+    return url.with_query(query)
 
 
-def _parse_poll(params: KvParams, status: int, payload: bytes) -> TransferResult | KvFailure:
+def _parse_poll(ticket: DecodeTicket, status: int, payload: bytes) -> TransferResult | KvFailure:
     try:
         data: Any = orjson.loads(payload)
     except orjson.JSONDecodeError:
@@ -183,35 +216,58 @@ def _parse_poll(params: KvParams, status: int, payload: bytes) -> TransferResult
         return KvFailure("bootstrap_error", f"status {status} with a non-JSON body")
     if status == 404:
         reason = str(data.get("reason") or "bootstrap_error")
-        return KvFailure(reason, _MISS_DETAILS.get(reason, reason).format(p=params))
+        return KvFailure(reason, _MISS_DETAILS.get(reason, reason).format(t=ticket))
     if status != 200:
         return KvFailure("bootstrap_error", f"status {status}")
     try:
-        return TransferResult(str(data["engine_id"]), int(data["dp_rank"]), bool(data["shipped"]))
+        return TransferResult.from_json(data)
     except (KeyError, TypeError, ValueError):
         return KvFailure("bootstrap_error", "malformed transfer record")
 
 
 _MISS_DETAILS = {
-    "timeout": "no prefill for transfer {p.transfer_id} arrived in time",
-    "unknown_engine": "engine {p.engine_id} is not served by {p.bootstrap_addr}",
-    "prefill_restarted": "the prefill engine restarted while transfer {p.transfer_id} waited",
+    "timeout": "no prefill for transfer {t.key} arrived in time",
+    "unknown_engine": "engine {t.engine_id} is not served by {t.url}",
+    "unknown_request": "{t.url} holds no KV for request {t.key} (never prefilled, already "
+    "read, or expired)",
+    "prefill_restarted": "the prefill engine restarted while transfer {t.key} waited",
     "shutdown": "the prefill server shut down",
 }
 
 
-def _judge(params: KvParams, result: TransferResult) -> KvFailure | None:
-    if result.engine_id != params.engine_id:
+def _judge(ticket: DecodeTicket, digest: str, result: TransferResult) -> KvFailure | None:
+    """Is the transfer the KV this decode needs?"""
+    key = ticket.key
+    if result.failure is not None:
+        return KvFailure("prefill_failed", result.failure)
+    if ticket.engine_id is not None and result.engine_id != ticket.engine_id:
         return KvFailure(
             "engine_mismatch",
-            f"transfer {params.transfer_id} was prefilled by engine {result.engine_id} "
-            f"(dp rank {result.dp_rank}) but the decode was told {params.engine_id}",
+            f"transfer {key} was prefilled by engine {result.engine_id} "
+            f"(dp rank {result.dp_rank}) but the decode was told {ticket.engine_id}",
+        )
+    if ticket.connector == NIXLV2:
+        if result.block_ids != ticket.block_ids:
+            return KvFailure(
+                "block_ids_mismatch",
+                f"request {key} holds blocks {list(result.block_ids)}, "
+                f"the decode was told {list(ticket.block_ids)}",
+            )
+        if result.request_id != ticket.request_id:
+            return KvFailure(
+                "request_id_mismatch",
+                f"the prefill of {key} carried x-request-id {result.request_id!r}, "
+                f"the decode {ticket.request_id!r}",
+            )
+    if result.prompt_digest and result.prompt_digest != digest:
+        return KvFailure(
+            "prompt_mismatch", f"transfer {key} holds the KV of another prompt than this one"
         )
     if not result.shipped:
         return KvFailure(
             "not_shipped",
-            f"the prefill of transfer {params.transfer_id} did not finish length-capped "
-            "at 1 token, so its KV was freed",
+            f"the prefill of transfer {key} did not finish length-capped at 1 token, so its "
+            "KV was freed",
         )
     return None
 
@@ -219,8 +275,9 @@ def _judge(params: KvParams, result: TransferResult) -> KvFailure | None:
 @dataclass(frozen=True, slots=True)
 class _Job:
     completion: Completion
-    kv: KvParams | None
+    kv: DecodeTicket | None
     stream: bool
+    digest: str
 
 
 async def _serve_completion(
@@ -231,7 +288,7 @@ async def _serve_completion(
     body: JsonObject,
     body_bytes: int,
 ) -> web.StreamResponse:
-    job = _validate(state, api, body, body_bytes)
+    job = _validate(state, api, request, body, body_bytes)
     if job.kv is not None:
         state.pd_requests += 1
     if job.stream:
@@ -239,15 +296,21 @@ async def _serve_completion(
     return await _unary(state, job, exchange)
 
 
-def _validate(state: DecodeState, api: Api, body: JsonObject, body_bytes: int) -> _Job:
+def _validate(
+    state: DecodeState, api: Api, request: web.Request, body: JsonObject, body_bytes: int
+) -> _Job:
     limit = check_sampling(api, body)
-    kv = decode_kv_params(body)
+    kv = decode_ticket(state.connector, body, httpd.lower_headers(request))
+    if kv is None and state.connector == SGLANG:
+        raise BadRequest(SGLANG_NO_ROOM)
+    if kv is None and state.config.require_kv:
+        raise BadRequest("this decode serves only P/D requests: kv_transfer_params missing")
     stream = wants_stream(body)
     if stream and api is Api.GENERATE:
         raise BadRequest("the simulator does not stream /inference/v1/generate")
     n_tokens = min(limit or state.config.default_tokens, MAX_GENERATED_TOKENS)
     completion = Completion.for_request(api, body, body_bytes, n_tokens, limit, state.config.model)
-    return _Job(completion, kv, stream)
+    return _Job(completion, kv, stream, prompt_digest(api, body))
 
 
 def _timing(state: DecodeState) -> tuple[float, float]:
@@ -257,9 +320,9 @@ def _timing(state: DecodeState) -> tuple[float, float]:
 async def _unary(state: DecodeState, job: _Job, exchange: httpd.Exchange) -> web.StreamResponse:
     assert exchange.record is not None
     if job.kv is not None:
-        failure = await state.pull_kv(job.kv, exchange.record)
+        failure = await state.pull_kv(job.kv, job.digest, exchange.record)
         if failure is not None:
-            reply = httpd.json_response(failure.body(), 500)
+            reply = httpd.json_response(failure.body(job.kv, streamed=False), 500)
             return exchange.reply(reply, f"kv_failed:{failure.reason}")
     first_token_s, itl_s = _timing(state)
     await httpd.pause(first_token_s + itl_s * max(0, job.completion.n_tokens - 1))
@@ -273,10 +336,10 @@ async def _stream(
     assert exchange.record is not None
     response = await httpd.open_sse(request, exchange)
     if job.kv is not None:
-        failure = await state.pull_kv(job.kv, exchange.record)
+        failure = await state.pull_kv(job.kv, job.digest, exchange.record)
         if failure is not None:
             exchange.outcome = f"kv_failed:{failure.reason}"
-            return await _stream_error(exchange, response, failure)
+            return await _stream_error(exchange, response, failure.body(job.kv, streamed=True))
     await httpd.stream_completion(exchange, response, job.completion, _timing(state))
     if not exchange.was_cancelled:
         state.completed += 1
@@ -284,11 +347,12 @@ async def _stream(
 
 
 async def _stream_error(
-    exchange: httpd.Exchange, response: web.StreamResponse, failure: KvFailure
+    exchange: httpd.Exchange, response: web.StreamResponse, error: JsonObject
 ) -> web.StreamResponse:
-    # Headers are out already, so vLLM can only report the error in-band and end the stream.
+    # Headers are out already, so the server can only report the error in-band and end the
+    # stream.
     try:
-        await response.write(b"data: " + orjson.dumps(failure.body()) + b"\n\n")
+        await response.write(b"data: " + orjson.dumps(error) + b"\n\n")
         await response.write_eof()
     except ConnectionResetError:
         exchange.cancel()

@@ -7,6 +7,7 @@ processes the same way. Each part is a real subprocess on a port picked free at 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -64,6 +65,23 @@ def console_script(name: str, module: str) -> list[str]:
     if beside.exists():
         return [str(beside)]
     return [sys.executable, "-m", module]
+
+
+@functools.cache
+def pdproc_serve_help() -> str:
+    """`pdproc serve --help` of the installed pdproc (which flags it has)."""
+    argv = [*console_script("pdproc", "pdproc.cli"), "serve", "--help"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    return done.stdout
+
+
+def pdproc_has_flag(flag: str) -> bool:
+    return flag in pdproc_serve_help().split()
+
+
+def pdproc_speaks(connector: str) -> bool:
+    """Whether the installed `pdproc serve` names this KV connector in its --help."""
+    return pdproc_has_flag("--kv-connector") and connector in pdproc_serve_help()
 
 
 def wait_for(check: Any, what: str, timeout_s: float = 30.0, proc: Process | None = None) -> None:

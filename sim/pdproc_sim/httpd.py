@@ -33,8 +33,10 @@ def json_response(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
-def error_response(status: int, message: str, err_type: str | None = None) -> web.Response:
-    return json_response(error_body(status, message, err_type), status)
+def error_response(
+    status: int, message: str, err_type: str | None = None, *, sglang: bool = False
+) -> web.Response:
+    return json_response(error_body(status, message, err_type, sglang=sglang), status)
 
 
 def bracket_host(host: str) -> str:
@@ -245,22 +247,24 @@ def json_handler(state: RoleState, serve: BodyServer) -> Handler:
     unless it is a JSON object, record it, answer an injected fault, then `serve` it. A
     BadRequest that `serve` raises (before it starts answering) becomes a 400."""
 
+    sglang = state.sglang_errors
+
     async def serve_json(request: web.Request, exchange: Exchange) -> web.StreamResponse:
         raw = await request.read()
         try:
             body = parse_object(raw)
         except BadRequest as exc:
             exchange.record = record_request(state, request, raw, None)
-            return exchange.reply(error_response(400, str(exc)), "rejected")
+            return exchange.reply(error_response(400, str(exc), sglang=sglang), "rejected")
         exchange.record = record_request(state, request, raw, body)
         injected = state.injected_status()
         if injected is not None:
-            reply = error_response(injected, f"simulated {state.role} failure")
+            reply = error_response(injected, f"simulated {state.role} failure", sglang=sglang)
             return exchange.reply(reply, "fault")
         try:
             return await serve(request, exchange, body, len(raw))
         except BadRequest as exc:
-            return exchange.reply(error_response(400, str(exc)), "rejected")
+            return exchange.reply(error_response(400, str(exc), sglang=sglang), "rejected")
 
     return exchange_handler(state, serve_json)
 

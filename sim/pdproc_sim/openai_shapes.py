@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 import uuid
 from dataclasses import dataclass
@@ -40,12 +41,19 @@ _ERROR_TYPES = {
 }
 
 
-def error_body(code: int, message: str, err_type: str | None = None) -> JsonObject:
+def error_body(
+    code: int, message: str, err_type: str | None = None, *, sglang: bool = False
+) -> JsonObject:
+    """vLLM's error body `{"error": {...}}`; SGLang's non-streaming answers put the same
+    fields at the top level with `"object": "error"` (its streamed errors are vLLM-shaped)."""
     if err_type is None:
         err_type = _ERROR_TYPES.get(
             code, "InternalServerError" if code >= 500 else "BadRequestError"
         )
-    return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+    fields: JsonObject = {"message": message, "type": err_type, "param": None, "code": code}
+    if sglang:
+        return {"object": "error", **fields}
+    return {"error": fields}
 
 
 def role_kv_params(body: JsonObject, role: str, *, remote_decode: bool) -> JsonObject | None:
@@ -160,6 +168,14 @@ def prompt_tokens(api: Api, body: JsonObject, body_bytes: int) -> int:
     return max(1, _text_chars(body.get(_PROMPT_FIELD[api])) // 4)
 
 
+def prompt_digest(api: Api, body: JsonObject) -> str:
+    """A short fingerprint of the prompt alone, so a decode can tell whether the KV it got was
+    computed for its own prompt (the two legs' kv fields and token limits differ)."""
+    field = "token_ids" if api is Api.GENERATE else _PROMPT_FIELD[api]
+    data = orjson.dumps(body.get(field), option=orjson.OPT_SORT_KEYS)
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
 def token_text(index: int) -> str:
     return _VOCAB[index % len(_VOCAB)]
 
@@ -194,6 +210,7 @@ class Completion:
         n_tokens: int,
         limit: int | None,
         model: str,
+        request_id: str | None = None,
     ) -> Completion:
         requested = body.get("model")
         return cls(
@@ -203,7 +220,7 @@ class Completion:
             finish_reason="length" if limit is not None and n_tokens >= limit else "stop",
             prompt_tokens=prompt_tokens(api, body, body_bytes),
             include_usage=include_usage(body),
-            request_id=uuid.uuid4().hex,
+            request_id=request_id or uuid.uuid4().hex,
             created=int(time.time()),
         )
 

@@ -1,4 +1,5 @@
-"""Simulated vLLM prefill instance (Mooncake kv_producer) and its bootstrap server."""
+"""Simulated prefill instance (vLLM kv_producer for Mooncake / NIXL, SGLang prefill) and its
+bootstrap / side-channel server, where decodes meet the KV they need."""
 
 from __future__ import annotations
 
@@ -16,6 +17,15 @@ from typing import Any
 from aiohttp import web
 
 from pdproc_sim import httpd
+from pdproc_sim.connectors import (
+    MOONCAKE,
+    NIXLV2,
+    SGLANG,
+    SGLANG_BOOTSTRAP_TIMEOUT_S,
+    PrefillTicket,
+    check_connector,
+    prefill_ticket,
+)
 from pdproc_sim.openai_shapes import (
     DEFAULT_MODEL,
     MAX_GENERATED_TOKENS,
@@ -24,7 +34,8 @@ from pdproc_sim.openai_shapes import (
     Completion,
     check_sampling,
     check_single_sequence,
-    role_kv_params,
+    prompt_digest,
+    prompt_tokens,
     wants_stream,
 )
 from pdproc_sim.state import (
@@ -39,8 +50,11 @@ DP_RANK_HEADER = "X-data-parallel-rank"
 BOOTSTRAP_MODES = ("ok", "down", "slow", "garbage", "empty")
 # "slow" without an explicit delay must outlast the gateway's 5 s bootstrap timeout.
 DEFAULT_SLOW_BOOTSTRAP_S = 6.0
+KV_PARAMS_MODES = ("ok", "missing")
 # worker_addr ports are never dialled (the sim pulls KV over HTTP); they only fill the shape.
 _FAKE_ZMQ_PORT_BASE = 50000
+# vLLM's default KV block size: a nixlv2 prefill names ceil(prompt tokens / 16) blocks.
+_BLOCK_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +72,12 @@ class PrefillConfig:
     record_limit: int = 10_000
     record_max_body_bytes: int = 64 * 1024
     registry_cap: int = 100_000
+    kv_connector: str = MOONCAKE
+    # SGLang: how long a prefill waits for its decode to bootstrap (then 500).
+    sglang_bootstrap_timeout_s: float = SGLANG_BOOTSTRAP_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        check_connector(self.kv_connector)
 
 
 @dataclass(slots=True)
@@ -67,6 +87,10 @@ class PrefillFaults:
     prefill_fail_rate: float = 0.0
     bootstrap: str = "ok"
     bootstrap_delay_s: float | None = None
+    # The prefill answers 200 but its KV never reaches any decode (lost transfer).
+    kv_drop: bool = False
+    # nixlv2: "missing" answers kv_transfer_params null, as a prefill that kept no KV would.
+    kv_params: str = "ok"
 
     def bootstrap_delay(self) -> float:
         if self.bootstrap_delay_s is not None:
@@ -97,6 +121,13 @@ def _bootstrap_mode(name: str, value: Any) -> str:
     return result
 
 
+def _kv_params_mode(name: str, value: Any) -> str:
+    if value not in KV_PARAMS_MODES:
+        raise ValueError(f"{name} must be one of {list(KV_PARAMS_MODES)}, got {value!r}")
+    result: str = value
+    return result
+
+
 def _optional_delay(name: str, value: Any) -> float | None:
     return None if value is None else _number(name, value, 0, 3600)
 
@@ -107,7 +138,10 @@ _FAULT_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "prefill_fail_rate": _fail_rate,
     "bootstrap": _bootstrap_mode,
     "bootstrap_delay_s": _optional_delay,
+    "kv_drop": _boolean,
+    "kv_params": _kv_params_mode,
 }
+FAULT_FIELDS = frozenset(_FAULT_FIELDS)
 
 
 def _patched_faults(current: PrefillFaults, patch: JsonObject) -> PrefillFaults:
@@ -130,17 +164,6 @@ def make_engine_ids(prefix: str | None, generation: int, ranks: int) -> list[str
     return [f"{base}_dp{rank}" for rank in range(ranks)]
 
 
-def prefill_transfer_id(body: JsonObject) -> str | None:
-    """Check kv_transfer_params like vLLM's producer and the llm-d mock prefill."""
-    params = role_kv_params(body, "prefill", remote_decode=True)
-    if params is None:
-        return None
-    transfer_id = params.get("transfer_id")
-    if not isinstance(transfer_id, str) or not transfer_id:
-        raise BadRequest("Missing transfer_id in kv_transfer_params from router!")
-    return transfer_id
-
-
 class PrefillState(RoleState):
     role = "prefill"
 
@@ -151,7 +174,13 @@ class PrefillState(RoleState):
         self.config = config
         self.generation = 0
         self.engine_ids = make_engine_ids(config.engine_id_prefix, 0, config.dp_ranks)
+        self.connector = config.kv_connector
         self.registry = TransferRegistry(config.kv_ttl_s, config.registry_cap)
+        # SGLang: rooms whose decode has bootstrapped (a prefill waits for its decode).
+        self.arrivals = TransferRegistry(config.kv_ttl_s, config.registry_cap)
+        self.rooms_in_flight: set[str] = set()
+        self.sglang_errors = self.connector == SGLANG
+        self._next_block = 1
         self.faults = PrefillFaults()
         self.bootstrap_port = 0
         # Set means "not hanging"; hung prefills wait on it and go on when the fault is lifted.
@@ -167,6 +196,7 @@ class PrefillState(RoleState):
         self.not_shipped = 0
         self.bootstrap_queries = 0
         self.kv_polls = 0
+        self.kv_dropped = 0
         self.restarts = 0
 
     def choose_rank(self, header: str | None) -> int:
@@ -194,14 +224,31 @@ class PrefillState(RoleState):
         config = self.config
         return (config.prefill_delay_ms + config.prefill_ms_per_kib * body_bytes / 1024) / 1000
 
-    def finish_transfer(self, transfer_id: str, rank: int, shipped: bool) -> None:
-        result = TransferResult(self.engine_ids[rank], rank, shipped)
-        self.registry.complete(transfer_id, result)
-        self.prefills_per_rank[rank] += 1
-        if shipped:
+    def finish_transfer(self, key: str, result: TransferResult) -> None:
+        """Publish a finished prefill to decodes (unless a kv_drop fault loses it)."""
+        if self.faults.kv_drop:
+            self.kv_dropped += 1
+        else:
+            self.registry.complete(key, result)
+        self.prefills_per_rank[result.dp_rank] += 1
+        if result.shipped:
             self.shipped += 1
         else:
             self.not_shipped += 1
+
+    def allocate_blocks(self, prompt_tokens: int) -> tuple[int, ...]:
+        """Block ids for a nixlv2 prefill's KV: ceil(tokens / 16) fresh numbers."""
+        count = max(1, -(-prompt_tokens // _BLOCK_TOKENS))
+        first, self._next_block = self._next_block, self._next_block + count
+        if self._next_block > 1 << 30:
+            self._next_block = 1
+        return tuple(range(first, first + count))
+
+    def side_channel_host(self) -> str:
+        """remote_host a nixlv2 prefill names (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST): the listen
+        address, or loopback when it listens on every address."""
+        host = self.config.host
+        return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
 
     def restart(self) -> None:
         """A pod restart: new engine ids, and every KV block (done or awaited) is gone."""
@@ -211,9 +258,11 @@ class PrefillState(RoleState):
             self.config.engine_id_prefix, self.generation, self.config.dp_ranks
         )
         self.registry.forget_all("prefill_restarted")
+        self.arrivals.forget_all("prefill_restarted")
 
     def shutdown(self) -> None:
         self.registry.forget_all("shutdown")
+        self.arrivals.forget_all("shutdown")
         self.hang_gate.set()
 
     def query_json(self) -> JsonObject:
@@ -229,6 +278,7 @@ class PrefillState(RoleState):
     def stats_json(self) -> JsonObject:
         stats = super().stats_json()
         stats.update(
+            kv_connector=self.connector,
             served_per_rank={str(r): n for r, n in sorted(self.served_per_rank.items())},
             prefills_per_rank={str(r): n for r, n in sorted(self.prefills_per_rank.items())},
             transfers={
@@ -239,6 +289,7 @@ class PrefillState(RoleState):
             },
             bootstrap_queries=self.bootstrap_queries,
             kv_polls=self.kv_polls,
+            kv_dropped=self.kv_dropped,
             restarts=self.restarts,
             generation=self.generation,
             engine_ids={str(r): e for r, e in enumerate(self.engine_ids)},
@@ -263,14 +314,15 @@ class PrefillState(RoleState):
 
 @dataclass(frozen=True, slots=True)
 class _Job:
-    """A validated prefill request."""
+    """A validated prefill request; `ticket` is None for a plain (non-P/D) one."""
 
     api: Api
     body: JsonObject
     body_bytes: int
     rank: int
-    transfer_id: str | None
+    ticket: PrefillTicket | None
     limit: int | None
+    digest: str
 
 
 async def _serve_completion(
@@ -283,7 +335,14 @@ async def _serve_completion(
 ) -> web.StreamResponse:
     assert exchange.record is not None
     job = _validate(state, api, request, body, body_bytes, exchange.record)
-    return await _run_prefill(state, job, request, exchange)
+    room = job.ticket.key if job.ticket is not None and job.ticket.room is not None else None
+    if room is None:
+        return await _run_prefill(state, job, request, exchange)
+    state.rooms_in_flight.add(room)
+    try:
+        return await _run_prefill(state, job, request, exchange)
+    finally:
+        state.rooms_in_flight.discard(room)
 
 
 def _validate(
@@ -296,53 +355,157 @@ def _validate(
 ) -> _Job:
     rank = state.choose_rank(request.headers.get(DP_RANK_HEADER))
     record["rank"] = rank
-    transfer_id = prefill_transfer_id(body)
+    headers = httpd.lower_headers(request)
+    ticket = prefill_ticket(state.connector, body, headers, wants_stream(body))
     limit = check_sampling(api, body)
-    if transfer_id is not None:
+    if ticket is not None:
         check_single_sequence(api, body)
+        if (
+            ticket.room is not None
+            and ticket.key is not None
+            and (ticket.key in state.rooms_in_flight or state.registry.lookup(ticket.key))
+        ):
+            raise BadRequest(f"bootstrap_room {ticket.room} is already in use on this prefill")
     if api is Api.GENERATE and wants_stream(body):
         raise BadRequest("the simulator does not stream /inference/v1/generate")
-    return _Job(api, body, body_bytes, rank, transfer_id, limit)
+    return _Job(api, body, body_bytes, rank, ticket, limit, prompt_digest(api, body))
 
 
 async def _run_prefill(
     state: PrefillState, job: _Job, request: web.Request, exchange: httpd.Exchange
 ) -> web.StreamResponse:
     generation = state.generation
+    ticket = job.ticket
     try:
         await state.hang_gate.wait()
         await httpd.pause(state.compute_delay_s(job.body_bytes))
+        if ticket is not None and ticket.room is not None:
+            failure = await _await_sglang_decode(state, ticket, job)
+            if failure is not None:
+                reply = httpd.error_response(500, failure, sglang=True)
+                return exchange.reply(reply, "bootstrap_timeout")
     except asyncio.CancelledError:
         # vLLM aborts a request whose client left; the KV is then freed, never shipped.
-        if job.transfer_id is not None and generation == state.generation:
-            state.finish_transfer(job.transfer_id, job.rank, shipped=False)
+        if ticket is not None and ticket.key is not None and generation == state.generation:
+            state.finish_transfer(ticket.key, _result(state, job, shipped=False))
         raise
     if generation != state.generation:
-        return exchange.reply(
-            httpd.error_response(500, "engine restarted during prefill"), "restarted"
+        reply = httpd.error_response(
+            500, "engine restarted during prefill", sglang=state.sglang_errors
         )
-    outcome = "no_kv"
-    if job.transfer_id is not None:
-        # vLLM keeps KV for the decode only when the request finished length-capped at 1 token.
-        shipped = job.limit == 1
-        state.finish_transfer(job.transfer_id, job.rank, shipped)
-        outcome = "shipped" if shipped else "not_shipped"
+        return exchange.reply(reply, "restarted")
     state.served_per_rank[job.rank] += 1
-    return await _answer(state, job, request, exchange, outcome)
+    if ticket is None:
+        return await _answer(state, job, request, exchange, "no_kv", None)
+    # vLLM keeps KV for the decode only when the request finished length-capped at 1 token;
+    # an SGLang prefill always hands its KV over, whatever the token limit.
+    shipped = ticket.connector == SGLANG or job.limit == 1
+    outcome = "shipped" if shipped else "not_shipped"
+    if ticket.connector == NIXLV2:
+        params = _finish_nixl(state, job, shipped)
+        return await _answer(state, job, request, exchange, outcome, params)
+    assert ticket.key is not None
+    state.finish_transfer(ticket.key, _result(state, job, shipped))
+    return await _answer(state, job, request, exchange, outcome, None)
+
+
+def _result(
+    state: PrefillState,
+    job: _Job,
+    shipped: bool,
+    blocks: tuple[int, ...] = (),
+    failure: str | None = None,
+) -> TransferResult:
+    request_id = job.ticket.request_id if job.ticket is not None else None
+    engine_id = state.engine_ids[job.rank]
+    return TransferResult(engine_id, job.rank, shipped, job.digest, blocks, request_id, failure)
+
+
+async def _await_sglang_decode(state: PrefillState, ticket: PrefillTicket, job: _Job) -> str | None:
+    """An SGLang prefill cannot send its KV before the decode has bootstrapped (sent the
+    KV indices it allocated); it gives up like SGLang after the bootstrap timeout."""
+    assert ticket.key is not None
+    assert ticket.room is not None
+    timeout_s = state.config.sglang_bootstrap_timeout_s
+    outcome = await state.arrivals.wait(ticket.key, timeout_s)
+    if isinstance(outcome, TransferResult):
+        return None
+    room = ticket.room
+    reason = (
+        f"Request {room} timed out after {timeout_s:.1f}s in KVPoll.Bootstrapping"
+        if outcome == "timeout"
+        else f"Request {room} aborted: {outcome}"
+    )
+    message = (
+        f"Prefill bootstrap failed for request rank={job.rank} bootstrap_room={room} "
+        f"with exception KVTransferError(bootstrap_room={room}): {reason}"
+    )
+    # A decode that bootstraps later finds the failure at once.
+    state.finish_transfer(ticket.key, _result(state, job, shipped=False, failure=message))
+    return message
+
+
+def _finish_nixl(state: PrefillState, job: _Job, shipped: bool) -> JsonObject | None:
+    """Register the blocks under a fresh vLLM request id and build the kv_transfer_params
+    the prefill answers (vLLM NixlConnector's request_finished)."""
+    assert job.ticket is not None
+    base = job.ticket.request_id or uuid.uuid4().hex
+    remote_request_id = f"{_ID_PREFIX[job.api]}-{base}-{uuid.uuid4().hex[:8]}"
+    blocks = state.allocate_blocks(prompt_tokens_of(job))
+    state.finish_transfer(remote_request_id, _result(state, job, shipped, blocks))
+    if state.faults.kv_params == "missing":
+        return None
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": list(blocks),
+        "remote_engine_id": state.engine_ids[job.rank],
+        "remote_request_id": remote_request_id,
+        "remote_host": state.side_channel_host(),
+        "remote_port": state.bootstrap_port,
+        "tp_size": 1,
+    }
+
+
+_ID_PREFIX = {
+    Api.CHAT: "chatcmpl",
+    Api.COMPLETIONS: "cmpl",
+    Api.RESPONSES: "resp",
+    Api.GENERATE: "generate",
+}
+
+
+def prompt_tokens_of(job: _Job) -> int:
+    return prompt_tokens(job.api, job.body, job.body_bytes)
 
 
 async def _answer(
-    state: PrefillState, job: _Job, request: web.Request, exchange: httpd.Exchange, outcome: str
+    state: PrefillState,
+    job: _Job,
+    request: web.Request,
+    exchange: httpd.Exchange,
+    outcome: str,
+    kv_params: JsonObject | None,
 ) -> web.StreamResponse:
     n_tokens = min(job.limit or state.config.default_tokens, MAX_GENERATED_TOKENS)
+    if job.ticket is not None and job.ticket.connector == SGLANG:
+        n_tokens = 1  # an SGLang prefill instance only produces the first token
     completion = Completion.for_request(
-        job.api, job.body, job.body_bytes, n_tokens, job.limit, state.config.model
+        job.api,
+        job.body,
+        job.body_bytes,
+        n_tokens,
+        job.limit,
+        state.config.model,
+        job.ticket.request_id if job.ticket is not None else None,
     )
     exchange.outcome = outcome
     if wants_stream(job.body):
         response = await httpd.open_sse(request, exchange)
         return await httpd.stream_completion(exchange, response, completion, (0.0, 0.0))
-    return exchange.reply(httpd.json_response(completion.body()), outcome)
+    answer = completion.body()
+    answer["kv_transfer_params"] = kv_params
+    return exchange.reply(httpd.json_response(answer), outcome)
 
 
 def build_prefill_app(state: PrefillState) -> web.Application:
@@ -361,47 +524,92 @@ def build_prefill_app(state: PrefillState) -> web.Application:
 
 
 def build_bootstrap_app(state: PrefillState) -> web.Application:
-    """MooncakeBootstrapServer's GET /query, plus the sim's KV rendezvous for decodes."""
+    """The prefill's second server, where decodes find their KV: Mooncake's bootstrap server
+    (GET /query) plus the sim's transfer rendezvous, NIXL's side channel, or SGLang's
+    bootstrap server. The `bootstrap` faults act on /query and on the NIXL and SGLang routes."""
     app = httpd.new_app()
-
-    async def query(_: web.Request) -> web.StreamResponse:
-        state.bootstrap_queries += 1
-        await httpd.pause(state.faults.bootstrap_delay())
-        mode = state.faults.bootstrap
-        if mode == "down":
-            return httpd.error_response(503, "bootstrap server unavailable (simulated)")
-        if mode == "garbage":
-            return web.Response(text="<html>not json", content_type="text/html")
-        if mode == "empty":
-            return httpd.json_response({})
-        return httpd.json_response(state.query_json())
-
-    async def kv(request: web.Request) -> web.StreamResponse:
-        return await _kv_poll(state, request)
-
-    app.router.add_get("/query", query)
-    app.router.add_get("/sim/kv/{transfer_id}", kv)
+    if state.connector == MOONCAKE:
+        app.router.add_get("/query", partial(_query, state))
+        app.router.add_get("/sim/kv/{key}", partial(_mooncake_kv, state))
+    elif state.connector == NIXLV2:
+        app.router.add_get("/sim/nixl/{key}", partial(_nixl_read, state))
+    else:
+        app.router.add_get("/sim/sglang/{key}", partial(_sglang_room, state))
     return app
 
 
-async def _kv_poll(state: PrefillState, request: web.Request) -> web.StreamResponse:
-    state.kv_polls += 1
-    transfer_id = request.match_info["transfer_id"]
-    engine_id = request.query.get("engine_id")
+async def _bootstrap_fault(state: PrefillState) -> web.Response | None:
+    await httpd.pause(state.faults.bootstrap_delay())
+    mode = state.faults.bootstrap
+    if mode == "down":
+        return httpd.error_response(503, "bootstrap server unavailable (simulated)")
+    if mode == "garbage":
+        return web.Response(text="<html>not json", content_type="text/html")
+    if mode == "empty":
+        return httpd.json_response({})
+    return None
+
+
+async def _query(state: PrefillState, _: web.Request) -> web.StreamResponse:
+    state.bootstrap_queries += 1
+    return await _bootstrap_fault(state) or httpd.json_response(state.query_json())
+
+
+def _timeout(request: web.Request, default: float) -> float:
     try:
-        timeout_s = float(request.query.get("timeout_s", "480"))
+        return float(request.query.get("timeout_s", default))
     except ValueError:
-        return httpd.error_response(400, "timeout_s must be a number")
-    found = state.registry.lookup(transfer_id)
+        raise web.HTTPBadRequest(text="timeout_s must be a number") from None
+
+
+async def _mooncake_kv(state: PrefillState, request: web.Request) -> web.StreamResponse:
+    """Long poll of a Mooncake decode for its transfer_id (its pull, simulated)."""
+    state.kv_polls += 1
+    key = request.match_info["key"]
+    engine_id = request.query.get("engine_id")
+    timeout_s = _timeout(request, 480.0)
+    found = state.registry.lookup(key)
     if found is None and engine_id and engine_id not in state.engine_ids:
         # vLLM's decode looks the engine up in /query first and fails at once if it is gone.
-        return _kv_miss(transfer_id, "unknown_engine", engine_id)
-    outcome = found or await state.registry.wait(transfer_id, timeout_s)
+        return _kv_miss(key, "unknown_engine", engine_id)
+    outcome = found or await state.registry.wait(key, timeout_s)
     if isinstance(outcome, str):
-        return _kv_miss(transfer_id, outcome, engine_id)
-    return httpd.json_response({"transfer_id": transfer_id, **outcome.to_json()})
+        return _kv_miss(key, outcome, engine_id)
+    return httpd.json_response({"key": key, **outcome.to_json()})
 
 
-def _kv_miss(transfer_id: str, reason: str, engine_id: str | None) -> web.Response:
-    body = {"transfer_id": transfer_id, "reason": reason, "engine_id": engine_id}
+async def _nixl_read(state: PrefillState, request: web.Request) -> web.StreamResponse:
+    """A NIXL decode's handshake and block read: the prefill already answered (sequential
+    legs), so the blocks are there or never will be; a read frees them."""
+    state.kv_polls += 1
+    fault = await _bootstrap_fault(state)
+    if fault is not None:
+        return fault
+    key = request.match_info["key"]
+    engine_id = request.query.get("engine_id")
+    if engine_id and engine_id not in state.engine_ids:
+        return _kv_miss(key, "unknown_engine", engine_id)
+    found = state.registry.pop(key)
+    if found is None:
+        return _kv_miss(key, "unknown_request", engine_id)
+    return httpd.json_response({"key": key, **found.to_json()})
+
+
+async def _sglang_room(state: PrefillState, request: web.Request) -> web.StreamResponse:
+    """An SGLang decode bootstraps (its prefill may now send) and waits for the room's KV."""
+    state.kv_polls += 1
+    fault = await _bootstrap_fault(state)
+    if fault is not None:
+        return fault
+    key = request.match_info["key"]
+    timeout_s = _timeout(request, 300.0)
+    state.arrivals.complete(key, TransferResult("", 0, True))
+    outcome = state.registry.lookup(key) or await state.registry.wait(key, timeout_s)
+    if isinstance(outcome, str):
+        return _kv_miss(key, outcome, None)
+    return httpd.json_response({"key": key, **outcome.to_json()})
+
+
+def _kv_miss(key: str, reason: str, engine_id: str | None) -> web.Response:
+    body = {"key": key, "reason": reason, "engine_id": engine_id}
     return httpd.json_response(body, 404)

@@ -18,14 +18,43 @@ _RECORD_STRING_KEEP = 256
 
 @dataclass(frozen=True, slots=True)
 class TransferResult:
-    """What the prefill side knows about one transfer_id once its prefill finished."""
+    """What the prefill side knows about one transfer (Mooncake transfer_id, NIXL request id,
+    SGLang room) once its prefill finished: who computed the KV, for which prompt, whether it
+    is kept for the decode, and (nixlv2) the blocks and request id the decode must name."""
 
     engine_id: str
     dp_rank: int
     shipped: bool
+    prompt_digest: str = ""
+    block_ids: tuple[int, ...] = ()
+    request_id: str | None = None
+    failure: str | None = None
 
     def to_json(self) -> JsonObject:
-        return {"engine_id": self.engine_id, "dp_rank": self.dp_rank, "shipped": self.shipped}
+        return {
+            "engine_id": self.engine_id,
+            "dp_rank": self.dp_rank,
+            "shipped": self.shipped,
+            "prompt_digest": self.prompt_digest,
+            "block_ids": list(self.block_ids),
+            "request_id": self.request_id,
+            "failure": self.failure,
+        }
+
+    @classmethod
+    def from_json(cls, data: JsonObject) -> TransferResult:
+        """The inverse of to_json; KeyError, TypeError or ValueError when malformed."""
+        failure = data.get("failure")
+        request_id = data.get("request_id")
+        return cls(
+            engine_id=str(data["engine_id"]),
+            dp_rank=int(data["dp_rank"]),
+            shipped=bool(data["shipped"]),
+            prompt_digest=str(data.get("prompt_digest") or ""),
+            block_ids=tuple(int(b) for b in data.get("block_ids") or ()),
+            request_id=None if request_id is None else str(request_id),
+            failure=None if failure is None else str(failure),
+        )
 
 
 WaitOutcome = TransferResult | str
@@ -79,6 +108,13 @@ class TransferRegistry:
             del self._done[transfer_id]
             return None
         return result
+
+    def pop(self, transfer_id: str) -> TransferResult | None:
+        """Look up and forget: KV that is read once (NIXL frees the blocks after the read)."""
+        found = self.lookup(transfer_id)
+        if found is not None:
+            del self._done[transfer_id]
+        return found
 
     async def wait(self, transfer_id: str, timeout_s: float) -> WaitOutcome:
         found = self.lookup(transfer_id)
@@ -187,6 +223,8 @@ class RoleState:
     """Counters and records every simulated server keeps; roles add their own on top."""
 
     role = "base"
+    # Errors in SGLang's shape (`{"object": "error", ...}`) instead of vLLM's.
+    sglang_errors = False
 
     def __init__(self, record_limit: int, record_max_body_bytes: int) -> None:
         self.log = RequestLog(record_limit, record_max_body_bytes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,15 @@ from pdproc_sim import (
     start_pair,
     start_prefill,
 )
-from pdproc_sim.devstack import console_script
 from pdproc_sim.state import TransferRegistry, TransferResult
 
 CHAT = "/v1/chat/completions"
+
+
+def sim_command() -> list[str]:
+    """The installed pdproc-sim console script (else `python -m pdproc_sim`)."""
+    script = Path(sys.executable).with_name("pdproc-sim")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "pdproc_sim"]
 
 
 def chat_body(**extra: Any) -> dict[str, Any]:
@@ -231,7 +237,9 @@ async def test_decode_waits_for_prefill_then_streams(
     stats = (await client.get(decode.url + "/sim/stats")).json()
     assert (stats["kv_ok"], stats["completed"], stats["kv_failures"]) == (1, 1, {})
     record = (await client.get(decode.url + "/sim/requests?limit=1")).json()["requests"][0]
-    assert record["kv"] == {"reason": None, "engine_id": "eng_dp1", "dp_rank": 1, "shipped": True}
+    assert record["kv"]["reason"] is None
+    assert (record["kv"]["engine_id"], record["kv"]["dp_rank"]) == ("eng_dp1", 1)
+    assert record["kv"]["shipped"] is True
 
 
 def _transfers(shipped: int) -> dict[str, int]:
@@ -564,7 +572,7 @@ async def test_cli_pair_ready_line_and_sigterm(client: httpx.AsyncClient, tmp_pa
     # The installed console script, run outside the checkout.
     args = ["pair", "--prefill-port", "0", "--bootstrap-port", "0"]
     process = await asyncio.create_subprocess_exec(
-        *console_script("pdproc-sim", "pdproc_sim"),
+        *sim_command(),
         *args,
         "--decode-port",
         "0",
@@ -576,7 +584,8 @@ async def test_cli_pair_ready_line_and_sigterm(client: httpx.AsyncClient, tmp_pa
         assert process.stdout is not None
         ready = orjson.loads(await asyncio.wait_for(process.stdout.readline(), 20))
         assert ready["ready"] is True
-        assert set(ready) == {"ready", "prefill", "bootstrap", "decode"}
+        assert set(ready) == {"ready", "kv_connector", "prefill", "bootstrap", "decode"}
+        assert ready["kv_connector"] == "mooncake"
         assert (await client.get(f"http://{ready['decode']}/health")).status_code == 200
         assert (await client.get(f"http://{ready['bootstrap']}/query")).json()["0"]["engine_id"]
         process.send_signal(signal.SIGTERM)
