@@ -87,18 +87,22 @@ def _serve(workdir: Path, port: int, dp_ranks: int, connector: str, stop: thread
     """Start the stack, print how to use it, watch it until `stop`; raise DemoError when a
     part fails to start or dies."""
     sim_args = ["--dp-ranks", str(dp_ranks), "--prefill-delay-ms", "20", "--itl-ms", "50"]
-    sim_args += ["--kv-connector", connector]
     pdproc_args = ["--log-format", "text"]
-    if pdproc_has_flag("--kv-connector"):
-        pdproc_args += ["--kv-connector", connector]
-    elif connector != DEFAULT_CONNECTOR:
+    # Both get --kv-connector; a pdproc from before the flag speaks only the default.
+    has_flag = pdproc_has_flag("--kv-connector")
+    if not has_flag and connector != DEFAULT_CONNECTOR:
         raise DemoError(
             f"this pdproc has no --kv-connector flag, so it only speaks {DEFAULT_CONNECTOR}; "
             f"--kv-connector {connector} needs a newer pdproc"
         )
     try:
         with running_stack(
-            sim_args, pdproc_args, workdir=workdir, envoy_port=port, pool=True
+            sim_args,
+            pdproc_args,
+            workdir=workdir,
+            envoy_port=port,
+            pool=True,
+            kv_connector=connector if has_flag else None,
         ) as stack:
             print(_banner(stack, dp_ranks, connector), flush=True)
             while not stop.wait(_WATCH_INTERVAL_S):

@@ -355,16 +355,20 @@ def running_stack(
     pool: bool = False,
     host: str = "127.0.0.1",
     envoy_options: dict[str, Any] | None = None,
+    kv_connector: str | None = None,
 ) -> Iterator[Stack]:
     """The stack on loopback. `pool=True` makes the simulated prefill pdproc's static pool,
-    so requests need no x-prefiller-host-port header."""
+    so requests need no x-prefiller-host-port header. `kv_connector` is passed as
+    `--kv-connector` to both the simulator and pdproc (None: neither, i.e. mooncake)."""
+    connector = [] if kv_connector is None else ["--kv-connector", kv_connector]
     with contextlib.ExitStack() as cleanup:
         if workdir is None:
             workdir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="pdproc-")))
-        sim = start_sim(workdir, sim_args, host=host)
+        sim = start_sim(workdir, [*connector, *sim_args], host=host)
         cleanup.callback(sim.process.stop)
         args = ["--prefill-allow", "::1/128" if ":" in host else "127.0.0.1/32"]
-        args += ["--mooncake-bootstrap-port", str(sim.bootstrap.port)]
+        # The simulated prefill's bootstrap server: Mooncake /query, SGLang bootstrap_port.
+        args += ["--mooncake-bootstrap-port", str(sim.bootstrap.port), *connector]
         args += [*(["--prefill", str(sim.prefill)] if pool else []), *pdproc_args]
         proc, addr, metrics = start_pdproc(workdir, args, host=host)
         cleanup.callback(proc.stop)
