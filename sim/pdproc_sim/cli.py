@@ -36,18 +36,23 @@ _DEFAULT_BOOTSTRAP_PORT = 8998
 _DEFAULT_DECODE_PORT = 8200
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
-def _port(text: str) -> int:
+def port_number(text: str, *, lowest: int = 0) -> int:
+    """A port flag's value; 0 (pick a free one) unless `lowest` is 1."""
     value = int(text)
-    if not 0 <= value < 65536:
-        raise argparse.ArgumentTypeError(f"port {value} out of range (0: pick a free one)")
+    if not lowest <= value < 65536:
+        raise argparse.ArgumentTypeError(f"port {value} out of range [{lowest}, 65535]")
     return value
+
+
+def fixed_port(text: str) -> int:
+    return port_number(text, lowest=1)
 
 
 def _seconds(text: str) -> float:
@@ -98,7 +103,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         help="KV hand-over protocol both legs speak (see docs/simulator.md)",
     )
     parser.add_argument(
-        "--record-limit", type=_positive_int, default=10_000, help="request ring size"
+        "--record-limit", type=positive_int, default=10_000, help="request ring size"
     )
     parser.add_argument(
         "--fault",
@@ -119,7 +124,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_prefill_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dp-ranks", type=_positive_int, default=1, help="data-parallel ranks")
+    parser.add_argument("--dp-ranks", type=positive_int, default=1, help="data-parallel ranks")
     parser.add_argument("--engine-id-prefix", default=None, help="engine id base (else uuid4)")
     parser.add_argument(
         "--prefill-delay-ms", type=_seconds, default=0.0, help="compute time of each prefill"
@@ -152,7 +157,7 @@ def _add_decode_flags(parser: argparse.ArgumentParser) -> None:
         f"{DEFAULT_KV_TIMEOUT_S[MOONCAKE]:g} s, SGLang {DEFAULT_KV_TIMEOUT_S[SGLANG]:g} s)",
     )
     parser.add_argument(
-        "--default-tokens", type=_positive_int, default=16, help="when max_tokens absent"
+        "--default-tokens", type=positive_int, default=16, help="when max_tokens absent"
     )
     parser.add_argument(
         "--require-kv",
@@ -175,15 +180,17 @@ def build_parser(prog: str = "pdproc sim") -> argparse.ArgumentParser:
         "prefill", help="prefill server + its bootstrap server", formatter_class=_FORMAT
     )
     _add_common(prefill)
-    prefill.add_argument("--port", type=_port, default=_DEFAULT_PREFILL_PORT, help=_PREFILL_PORT)
     prefill.add_argument(
-        "--bootstrap-port", type=_port, default=_DEFAULT_BOOTSTRAP_PORT, help=_BOOTSTRAP_PORT
+        "--port", type=port_number, default=_DEFAULT_PREFILL_PORT, help=_PREFILL_PORT
+    )
+    prefill.add_argument(
+        "--bootstrap-port", type=port_number, default=_DEFAULT_BOOTSTRAP_PORT, help=_BOOTSTRAP_PORT
     )
     _add_prefill_flags(prefill)
 
     decode = sub.add_parser("decode", help="decode server", formatter_class=_FORMAT)
     _add_common(decode)
-    decode.add_argument("--port", type=_port, default=_DEFAULT_DECODE_PORT, help=_DECODE_PORT)
+    decode.add_argument("--port", type=port_number, default=_DEFAULT_DECODE_PORT, help=_DECODE_PORT)
     _add_decode_flags(decode)
 
     pair = sub.add_parser(
@@ -191,12 +198,14 @@ def build_parser(prog: str = "pdproc sim") -> argparse.ArgumentParser:
     )
     _add_common(pair)
     pair.add_argument(
-        "--prefill-port", type=_port, default=_DEFAULT_PREFILL_PORT, help=_PREFILL_PORT
+        "--prefill-port", type=port_number, default=_DEFAULT_PREFILL_PORT, help=_PREFILL_PORT
     )
     pair.add_argument(
-        "--bootstrap-port", type=_port, default=_DEFAULT_BOOTSTRAP_PORT, help=_BOOTSTRAP_PORT
+        "--bootstrap-port", type=port_number, default=_DEFAULT_BOOTSTRAP_PORT, help=_BOOTSTRAP_PORT
     )
-    pair.add_argument("--decode-port", type=_port, default=_DEFAULT_DECODE_PORT, help=_DECODE_PORT)
+    pair.add_argument(
+        "--decode-port", type=port_number, default=_DEFAULT_DECODE_PORT, help=_DECODE_PORT
+    )
     _add_prefill_flags(pair)
     _add_decode_flags(pair)
     return parser

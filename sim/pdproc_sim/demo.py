@@ -19,6 +19,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdproc_sim.cli import fixed_port, positive_int
 from pdproc_sim.connectors import CONNECTORS, DEFAULT_CONNECTOR
 from pdproc_sim.devstack import Process, Stack, pdproc_has_flag, running_stack
 from pdproc_sim.openai_shapes import DEFAULT_MODEL
@@ -149,8 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
         f"({DEMO_HOST}). Other ports are picked free at run time.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--port", type=_port, default=10000, help="Envoy listener port")
-    parser.add_argument("--dp-ranks", type=_ranks, default=2, help="prefill data-parallel ranks")
+    parser.add_argument("--port", type=fixed_port, default=10000, help="Envoy listener port")
+    parser.add_argument(
+        "--dp-ranks", type=positive_int, default=2, help="prefill data-parallel ranks"
+    )
     parser.add_argument(
         "--kv-connector",
         choices=sorted(CONNECTORS),
@@ -158,20 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV connector the simulated pair and pdproc speak",
     )
     return parser
-
-
-def _port(text: str) -> int:
-    port = int(text)
-    if not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(f"port {port} out of range")
-    return port
-
-
-def _ranks(text: str) -> int:
-    ranks = int(text)
-    if ranks < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {ranks}")
-    return ranks
 
 
 def main(argv: Sequence[str] | None = None) -> int:
