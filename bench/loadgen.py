@@ -8,7 +8,7 @@ warm-up requests before that use the same connection pool, so measured requests 
 connections open.
 
 With `--pd-prefill` and `--pd-bootstrap` the client plays the P/D router itself (the same
-bodies pdproc builds, from `pdproc.mooncake`): prefill and decode go straight to the
+bodies pdproc builds, from `pdproc.connectors.mooncake`): prefill and decode go straight to the
 simulator, concurrently. That is the floor of the protocol with no proxy in the way.
 """
 
@@ -28,7 +28,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pdproc import mooncake
+from pdproc.connectors import mooncake
+from pdproc.request_body import KV_PARAMS, parse_body, with_field
 
 DEFAULT_PATH = "/v1/chat/completions"
 DEFAULT_MODEL = "sim-model"
@@ -240,13 +241,16 @@ async def _pd_plan(
     ):
         engines = mooncake.parse_engine_map(await response.read())
     engine_id = engines[min(engines)]
-    parsed = mooncake.parse_body(body)
+    parsed = parse_body(body)
     placeholder = _TRANSFER_PLACEHOLDER.decode()
     return PdPlan(
         prefill_url=prefill.rstrip("/") + path,
         prefill_template=mooncake.prefill_body(path, parsed, mooncake.prefill_params(placeholder)),
-        decode_template=mooncake.decode_body(
-            body, parsed, mooncake.decode_params(placeholder, bootstrap.rstrip("/"), engine_id)
+        decode_template=with_field(
+            body,
+            parsed,
+            KV_PARAMS,
+            mooncake.decode_params(placeholder, bootstrap.rstrip("/"), engine_id),
         ),
     )
 

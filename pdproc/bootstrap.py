@@ -1,8 +1,11 @@
 """Engine-id lookup: the prefill pod's Mooncake bootstrap server, queried once and cached.
 
-The cache entry has a bounded lifetime and is dropped as soon as a prefill to that pod
-fails, because a restarted pod registers new engine ids and a stale one makes every decode
-wait for KV that will never come. Concurrent misses for one pod share one query.
+The bootstrap server listens on one port per pod, so its answer depends on the pod's host
+alone: the cache is keyed by host, whatever port a request names. An entry has a bounded
+lifetime and is dropped as soon as a prefill to that pod fails, because a restarted pod
+registers new engine ids and a stale one makes every decode wait for KV that will never
+come. Concurrent misses for one pod share one query. Answers are read up to a bound and
+redirects are not followed.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import aiohttp
 from cachetools import TTLCache
 from opentelemetry.trace import Span, SpanKind
 
+from pdproc.connectors import EngineMap
+from pdproc.connectors.mooncake import MAX_QUERY_BYTES, BootstrapError, parse_engine_map
 from pdproc.metrics import Metrics
-from pdproc.mooncake import BootstrapError, EngineMap, parse_engine_map
+from pdproc.pod_http import read_at_most
 from pdproc.targets import HostPort
 from pdproc.telemetry import ATTR_CACHE, ATTR_ENGINES, ATTR_TARGET, Tracing, fail
 
@@ -40,46 +45,39 @@ class EngineMaps:
         self._metrics = metrics
         self._port = port
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._cache: TTLCache[HostPort, EngineMap] = TTLCache(maxsize=size, ttl=ttl_s)
-        self._pending: dict[HostPort, asyncio.Future[EngineMap]] = {}
+        # host -> (engine map, when it was fetched)
+        self._cache: TTLCache[str, tuple[EngineMap, float]] = TTLCache(maxsize=size, ttl=ttl_s)
+        self._pending: dict[str, asyncio.Future[EngineMap]] = {}
         self._refresh_s = refresh_s
         self._tracing = tracing or Tracing(None)
-        self._fetched: dict[HostPort, float] = {}
         self._hit = metrics.engine_cache.labels("hit")
         self._miss = metrics.engine_cache.labels("miss")
 
-    def bootstrap_addr(self, target: HostPort) -> str:
-        """The address the decode pod is told to pull KV from (IPv6 in brackets)."""
-        return target.url(self._port)
-
-    def cached(self, target: HostPort) -> EngineMap | None:
-        return self._cache.get(target)
-
     def prefetch(self, target: HostPort, span: Span | None = None) -> None:
         """Start a lookup early (while Envoy is still sending the body) if one is needed."""
-        if target not in self._cache and target not in self._pending:
+        if target.host not in self._cache and target.host not in self._pending:
             self._start_query(target, span)
 
     async def get(self, target: HostPort, span: Span | None = None) -> EngineMap:
-        engines = self._cache.get(target)
-        if engines is not None:
+        entry = self._cache.get(target.host)
+        if entry is not None:
             self._hit.inc()
+            engines, fetched = entry
             if (
                 self._refresh_s
-                and time.monotonic() - self._fetched.get(target, 0.0) > self._refresh_s
-                and target not in self._pending
+                and time.monotonic() - fetched > self._refresh_s
+                and target.host not in self._pending
             ):
                 # Stale-while-revalidate: this request uses the cached ids, a background
                 # query picks up ids a pod registered after a restart we did not see fail.
                 self._start_query(target)
             return engines
-        future = self._pending.get(target) or self._start_query(target, span)
+        future = self._pending.get(target.host) or self._start_query(target, span)
         # shield: one waiter going away (its stream ended) must not cancel the shared query.
         return await asyncio.shield(future)
 
     def invalidate(self, target: HostPort) -> None:
-        self._fetched.pop(target, None)
-        if self._cache.pop(target, None) is not None:
+        if self._cache.pop(target.host, None) is not None:
             self._metrics.engine_cache.labels("invalidation").inc()
             log.info("engine-id cache entry dropped", extra={"prefill_target": str(target)})
 
@@ -89,12 +87,12 @@ class EngineMaps:
         self._miss.inc()
         span = self._tracing.child_span(parent, "pdproc.bootstrap", SpanKind.CLIENT)
         task = asyncio.get_running_loop().create_task(self._traced_query(target, span))
-        self._pending[target] = task
-        task.add_done_callback(lambda done: self._settled(target, done))
+        self._pending[target.host] = task
+        task.add_done_callback(lambda done: self._settled(target.host, done))
         return task
 
-    def _settled(self, target: HostPort, task: asyncio.Future[EngineMap]) -> None:
-        self._pending.pop(target, None)
+    def _settled(self, host: str, task: asyncio.Future[EngineMap]) -> None:
+        self._pending.pop(host, None)
         # A prefetch nobody awaited still counts as retrieved: its error reached (or will
         # reach) a request through get(), so asyncio need not report it again.
         if not task.cancelled():
@@ -117,29 +115,31 @@ class EngineMaps:
             span.end()
 
     async def _query(self, target: HostPort) -> EngineMap:
-        url = self.bootstrap_addr(target) + "/query"
+        url = target.url(self._port) + "/query"
         started = time.perf_counter()
         try:
-            async with self._client.get(url, timeout=self._timeout) as response:
-                status, payload = response.status, await response.read()
+            async with self._client.get(
+                url, timeout=self._timeout, allow_redirects=False
+            ) as response:
+                status = response.status
+                payload = await read_at_most(response.content, MAX_QUERY_BYTES)
         except TimeoutError:
             raise BootstrapError(f"failed to query bootstrap endpoint {url}: timed out") from None
         except aiohttp.ClientConnectorError as exc:
             raise BootstrapError(
                 f"failed to query bootstrap endpoint {url}: {exc}", pod_down=True
             ) from None
-        except aiohttp.ClientError as exc:
-            raise BootstrapError(f"failed to query bootstrap endpoint {url}: {exc!r}") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise BootstrapError(
+                f"failed to query bootstrap endpoint {url}: {type(exc).__name__}"
+            ) from None
         finally:
             self._metrics.bootstrap_seconds.observe(time.perf_counter() - started)
         if not 200 <= status < 300:
             raise BootstrapError(f"bootstrap endpoint {url} returned status {status}")
         engines = parse_engine_map(payload)
-        previous = self._cache.get(target)
-        if previous is not None and previous != engines:
+        previous = self._cache.get(target.host)
+        if previous is not None and previous[0] != engines:
             log.info("engine ids changed", extra={"prefill_target": str(target)})
-        self._cache[target] = engines
-        self._fetched[target] = time.monotonic()
-        if len(self._fetched) > 2 * self._cache.maxsize:
-            self._fetched = {t: self._fetched[t] for t in self._cache if t in self._fetched}
+        self._cache[target.host] = (engines, time.monotonic())
         return engines

@@ -7,6 +7,10 @@ hiccup costs a second, a dead pod costs one probe per cooldown. Half-open: one r
 let through as a probe and the breaker stays shut to the others meanwhile; the probe's
 success closes it, its failure re-opens it. A probe whose outcome never comes just leads to
 another probe after the cooldown. Pure state machine with an injected clock.
+
+Only pods with failures have state, and at most `max_targets` of them (the least recently
+failing are forgotten, i.e. closed): targets can come from a header, so their number must
+not grow with what clients send.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from cachetools import LRUCache
 
 from pdproc.targets import HostPort
 
@@ -28,6 +35,19 @@ class _State:
     cooldown_s: float = 0.0
 
 
+class _States(LRUCache[HostPort, _State]):
+    """Breaker states, the least recently used dropped beyond the bound."""
+
+    def __init__(self, maxsize: int, on_evict: Callable[[HostPort, _State], None]) -> None:
+        super().__init__(maxsize)
+        self._on_evict = on_evict
+
+    def popitem(self) -> Any:
+        target, state = super().popitem()
+        self._on_evict(target, state)
+        return target, state
+
+
 class CircuitBreakers:
     def __init__(
         self,
@@ -35,12 +55,20 @@ class CircuitBreakers:
         max_cooldown_s: float,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[HostPort, bool], None] | None = None,
+        max_targets: int = 1024,
     ) -> None:
         self._threshold = max(1, threshold)
         self._max_cooldown = max_cooldown_s
         self._clock = clock
         self._on_change = on_change
-        self._states: dict[HostPort, _State] = {}
+        self._states = _States(max_targets, self._evicted)
+
+    def _evicted(self, target: HostPort, state: _State) -> None:
+        if state.open_until is not None:
+            self._changed(target, False)
+
+    def __len__(self) -> int:
+        return len(self._states)
 
     def allow(self, target: HostPort) -> bool:
         """May a request use this target now? When half-open, only the first asker may."""
@@ -58,7 +86,9 @@ class CircuitBreakers:
         return state is not None and state.open_until is not None
 
     def record(self, target: HostPort, outcome: str) -> None:
-        """Feed a prefill or bootstrap outcome (`2xx`, `4xx`, `5xx`, `timeout`, ...)."""
+        """Feed a prefill or bootstrap outcome (`2xx`, `4xx`, `5xx`, `timeout`, ...).
+
+        Outcomes that say nothing about the pod (pdproc's own errors) must not be fed."""
         state = self._states.get(target)
         if outcome in ("2xx", "4xx"):
             # The pod answered, so it is up (a 4xx is the request's fault, not the pod's).

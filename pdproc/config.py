@@ -1,11 +1,24 @@
-"""Processor settings: one frozen object built by the CLI and read everywhere else."""
+"""Processor settings, each declared once.
+
+A field of `Settings` is the whole declaration of a setting: its name is the YAML key and,
+with dashes, the flag (`prefill_timeout` -> `--prefill-timeout`); `PDPROC_<NAME>` is its
+environment variable; its metadata carries the help text, the parser of one textual value
+and, for repeatable settings, how the parsed items combine. The CLI, the environment, the
+YAML file, the defaults and README's settings table are all derived from these fields.
+"""
+
+# _setting() returns a dataclasses.field; ruff cannot see that.
+# ruff: noqa: RUF009
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
-from pdproc.targets import AllowList, HostPort
+from pdproc.targets import AllowList, HostPort, parse_host_port
 
 DEFAULT_PD_PATHS = (
     "/v1/chat/completions",
@@ -14,6 +27,7 @@ DEFAULT_PD_PATHS = (
     "/inference/v1/generate",
 )
 MiB = 1024 * 1024
+GiB = 1024 * MiB
 
 
 class BootstrapPolicy(Enum):
@@ -23,38 +37,227 @@ class BootstrapPolicy(Enum):
     DECODE_ONLY = "decode-only"  # let the decode pod do the whole request alone
 
 
+class KvConnector(Enum):
+    """The KV transfer protocol between the prefill and the decode pods (llm-d's names)."""
+
+    MOONCAKE = "mooncake"
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """How one setting is read from text (flag, environment, YAML) and documented."""
+
+    help: str
+    parse: Callable[[str], Any]
+    repeat: bool = False
+    # Repeatable settings: what the parsed items become (a tuple unless given).
+    combine: Callable[[list[Any]], Any] = tuple
+    extra_env: tuple[str, ...] = ()
+    switch: bool = False  # a flag without a value (`--log-bodies`); true/false elsewhere
+
+
+def _setting(default: Any, help: str, parse: Callable[[str], Any] = str, **kw: Any) -> Any:
+    option = Option(help, parse, **kw)
+    if isinstance(default, (list, set, dict)):
+        raise TypeError("settings are frozen: use a tuple or frozenset default")
+    return field(default=default, metadata={"option": option})
+
+
+def _positive(value: str) -> float:
+    number = float(value)
+    if not number > 0:
+        raise ValueError(f"{value} is not positive")
+    return number
+
+
+def _non_negative(value: str) -> float:
+    number = float(value)
+    if not number >= 0:
+        raise ValueError(f"{value} is negative")
+    return number
+
+
+def _count(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise ValueError(f"{value} is not a positive integer")
+    return number
+
+
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 < port < 65536:
+        raise ValueError(f"port {value} out of range")
+    return port
+
+
+def _listen(value: str) -> HostPort:
+    """A listen address; port 0 picks a free one (tests)."""
+    host, sep, port = value.rpartition(":")
+    if sep and port == "0":
+        return HostPort(parse_host_port(f"{host}:1").host, 0)
+    return parse_host_port(value)
+
+
+def _boolean(value: str) -> bool:
+    text = value.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{value!r} is not a boolean")
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if value not in choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _path(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError(f"{value!r} is not a path")
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
-    listen: str = "0.0.0.0:9002"
-    prefill_pool: tuple[HostPort, ...] = ()
-    # Names (a headless Service) whose A/AAAA records are pool members, re-resolved.
-    prefill_dns: tuple[HostPort, ...] = ()
-    dns_refresh_s: float = 10.0
-    allow: AllowList = field(default_factory=AllowList)
-    pd_paths: frozenset[str] = frozenset(DEFAULT_PD_PATHS)
-    bootstrap_port: int = 8998
-    bootstrap_timeout_s: float = 5.0
+    listen: HostPort = _setting(
+        HostPort("0.0.0.0", 9002), "gRPC listen address of the processor.", _listen
+    )
+    prefill: tuple[HostPort, ...] = _setting(
+        (), "Static prefill pool member HOST:PORT.", parse_host_port, repeat=True
+    )
+    prefill_dns: tuple[HostPort, ...] = _setting(
+        (),
+        "NAME:PORT whose A/AAAA records are all prefill pool members, re-resolved every "
+        "--dns-refresh seconds (a headless Service).",
+        parse_host_port,
+        repeat=True,
+    )
+    dns_refresh: float = _setting(10.0, "Seconds between --prefill-dns resolutions.", _positive)
+    prefill_allow: AllowList = _setting(
+        AllowList(),
+        "CIDR, host name or * allowed as a prefill target taken from the "
+        "x-prefiller-host-port header. Pool members are always allowed.",
+        repeat=True,
+        combine=AllowList.parse,
+    )
+    pd_path: frozenset[str] = _setting(
+        frozenset(DEFAULT_PD_PATHS),
+        "Request path handled as P/D (replaces the default list).",
+        _path,
+        repeat=True,
+        combine=frozenset,
+    )
+    kv_connector: KvConnector = _setting(
+        KvConnector.MOONCAKE,
+        "KV connector of the prefill and decode pods.",
+        KvConnector,
+    )
+    mooncake_bootstrap_port: int = _setting(
+        8998,
+        "Port of the prefill pods' Mooncake bootstrap server.",
+        _port,
+        extra_env=("MOONCAKE_BOOTSTRAP_PORT",),
+    )
+    bootstrap_timeout: float = _setting(5.0, "Bootstrap /query timeout, seconds.", _positive)
     # Engine ids change when a prefill pod restarts; a bounded lifetime caps how long a stale
     # id can be served even if no prefill fails to tell us.
-    engine_cache_ttl_s: float = 60.0
-    engine_cache_size: int = 4096
+    engine_cache_ttl: float = _setting(
+        60.0, "Lifetime of a cached engine-id map, seconds.", _positive
+    )
     # Older entries are still used but re-queried in the background, so an id change that
     # no failure revealed (a pod restarted between two requests) is picked up quickly.
-    engine_refresh_s: float = 5.0
-    prefill_timeout_s: float = 60.0
+    engine_refresh: float = _setting(
+        5.0,
+        "Age after which a cached engine-id map is re-queried in the background, seconds "
+        "(0: never).",
+        _non_negative,
+    )
+    prefill_timeout: float = _setting(60.0, "Prefill request timeout, seconds.", _positive)
     # Must not exceed the filter's max_message_timeout, or Envoy ignores our hold request.
-    envoy_max_message_timeout_s: float = 300.0
-    max_body_bytes: int = 16 * MiB
-    on_bootstrap_error: BootstrapPolicy = BootstrapPolicy.REJECT
-    breaker_failures: int = 5
-    breaker_cooldown_s: float = 10.0  # the longest; the first wait is 1 s
-    drain_timeout_s: float = 30.0
+    envoy_max_message_timeout: float = _setting(
+        300.0,
+        "The ext_proc filter's max_message_timeout, seconds (caps how long a decode's "
+        "response headers may be held).",
+        _positive,
+    )
+    max_body_bytes: int = _setting(16 * MiB, "Largest request body accepted.", _count)
+    max_inflight_bytes: int = _setting(
+        1 * GiB,
+        "Total request-body bytes held across all streams; past it new P/D requests get "
+        "503 (bounds memory under a burst of large prompts).",
+        _count,
+    )
+    on_bootstrap_error: BootstrapPolicy = _setting(
+        BootstrapPolicy.REJECT,
+        "reject (502) or decode-only when no prefill can serve a request.",
+        BootstrapPolicy,
+    )
+    breaker_failures: int = _setting(
+        5, "Prefill failures in a row that open a pod's breaker.", _count
+    )
+    breaker_cooldown: float = _setting(
+        10.0,
+        "Longest wait of an open prefill breaker, seconds (it starts at 1 s and doubles "
+        "with each failed probe).",
+        _positive,
+    )
+    drain_timeout: float = _setting(
+        61.0,
+        "Seconds in-flight work may take after SIGTERM (keep it above --prefill-timeout).",
+        _non_negative,
+    )
     # After SIGTERM, keep serving this long while health checks report NOT_SERVING, so Envoy
     # moves new streams to other replicas before this one refuses them.
-    shutdown_delay_s: float = 2.0
-    max_prefill_connections: int = 1024
-    metrics_listen: str | None = None
-    log_bodies: bool = False
+    shutdown_delay: float = _setting(
+        2.0, "Seconds to keep serving after SIGTERM (NOT_SERVING).", _non_negative
+    )
+    max_prefill_connections: int = _setting(
+        1024, "Connection pool size for prefill requests.", _count
+    )
+    max_targets: int = _setting(
+        1024,
+        "Prefill targets pdproc keeps state for (breakers, metrics labels); the least "
+        "recently used are forgotten beyond it.",
+        _count,
+    )
+    metrics_listen: HostPort | None = _setting(
+        None, "HOST:PORT for /metrics, /healthz, /readyz.", _listen
+    )
+    tls_cert: str | None = _setting(
+        None, "PEM certificate chain: serve gRPC over TLS (with --tls-key)."
+    )
+    tls_key: str | None = _setting(None, "PEM private key of --tls-cert.")
+    tls_client_ca: str | None = _setting(
+        None, "PEM CA bundle: require and verify client certificates (mTLS)."
+    )
+    workers: int = _setting(
+        1, "Processes sharing the listen port (SO_REUSEPORT), for more than one core.", _count
+    )
+    log_level: str = _setting(
+        "info", "debug, info, warning or error.", _choice("debug", "info", "warning", "error")
+    )
+    log_format: str = _setting("json", "json or text.", _choice("json", "text"))
+    log_bodies: bool = _setting(
+        False,
+        "Add the first 4 KiB of each P/D request body (prompt text!) and prefill error "
+        "bodies to the log.",
+        _boolean,
+        switch=True,
+    )
+    # Not a flag: a bound that only tests change.
+    engine_cache_size: int = 4096
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
 
     @property
     def grpc_max_message_bytes(self) -> int:
@@ -62,3 +265,59 @@ class Settings:
         # an oversized body reaches our 413 instead of failing the stream (which Envoy's
         # failure_mode_allow would turn into an unprocessed request).
         return max(self.max_body_bytes + MiB, 64 * MiB)
+
+
+@dataclass(frozen=True, slots=True)
+class Declared:
+    """A setting as the CLI, the environment, YAML and the README see it."""
+
+    name: str
+    default: Any
+    option: Option
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def envs(self) -> tuple[str, ...]:
+        return ("PDPROC_" + self.name.upper(), *self.option.extra_env)
+
+    def parse(self, raw: Any) -> Any:
+        """A value from its text (or list of texts, for repeatable settings)."""
+        if self.option.repeat:
+            items = raw if isinstance(raw, list) else [raw]
+            return self.option.combine([self.option.parse(str(item)) for item in items])
+        return self.option.parse(str(raw))
+
+    def shown_default(self) -> str | None:
+        value = self.default
+        if isinstance(value, Enum):
+            return str(value.value)
+        if isinstance(value, frozenset):
+            value = sorted(value, key=DEFAULT_PD_PATHS.index) if value else None
+        if isinstance(value, (tuple, list)):
+            return ", ".join(map(str, value)) or None
+        if value is None or isinstance(value, AllowList):
+            return None
+        return str(value)
+
+
+def declared() -> tuple[Declared, ...]:
+    return tuple(
+        Declared(f.name, f.default, f.metadata["option"])
+        for f in dataclasses.fields(Settings)
+        if "option" in f.metadata
+    )
+
+
+def settings_table(settings: Iterable[Declared] | None = None) -> str:
+    """README's settings table (a test keeps README current)."""
+    rows = ["| flag | environment | YAML key | default | what it does |", "|---|---|---|---|---|"]
+    for s in settings or declared():
+        envs = ", ".join(f"`{name}`" for name in s.envs)
+        default = s.shown_default()
+        shown = f"`{default}`" if default not in (None, "") else "none"
+        repeat = " Repeatable." if s.option.repeat else ""
+        rows.append(f"| `{s.flag}` | {envs} | `{s.name}` | {shown} | {s.option.help}{repeat} |")
+    return "\n".join(rows)

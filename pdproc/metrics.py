@@ -1,10 +1,14 @@
 """Prometheus metrics. Every request and every prefill ends in exactly one counter.
 
 Each processor instance owns its registry, so tests can run several in one interpreter.
+Per-target series (prefills in flight, open breakers) exist only while there is something
+to report and at most `max_targets` of them: targets may come from a request header, so a
+client choosing ports must not grow the page.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from prometheus_client import (
@@ -12,9 +16,21 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
     generate_latest,
     multiprocess,
 )
+
+from pdproc import __version__
+from pdproc.targets import HostPort
+
+# `_created` series double the number of counter series and nobody graphs them.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+OTHER_TARGETS = "other"
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -47,9 +63,16 @@ class Metrics:
         multiprocess.MultiProcessCollector(registry, directory)  # type: ignore[no-untyped-call]
         return generate_latest(registry)
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, max_targets: int = 1024) -> None:
         self.registry = registry or CollectorRegistry()
+        self._max_targets = max_targets
+        self._flight_labels: dict[HostPort, str] = {}
         r = self.registry
+        # CPU and memory of this process (with --workers, of each worker: pid label-free
+        # series are only exported by the process answering the scrape).
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        Info("pdproc_build", "pdproc version.", registry=r).info({"version": __version__})
         self.requests = Counter(
             "pdproc_requests",
             "Requests seen by the processor, by P/D path and outcome "
@@ -114,9 +137,41 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.bodies_bytes = Gauge(
+            "pdproc_request_body_bytes_in_flight",
+            "Request-body bytes held by streams being processed (bounded by --max-inflight-bytes).",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.streams_active = Gauge(
             "pdproc_streams_active",
             "ext_proc streams currently open.",
             registry=r,
             multiprocess_mode="livesum",
         )
+
+    def prefill_started(self, target: HostPort) -> None:
+        label = self._flight_labels.get(target)
+        if label is None:
+            # A series of its own while under the bound; past it, targets share one.
+            bounded = len(self._flight_labels) < self._max_targets
+            label = self._flight_labels[target] = str(target) if bounded else OTHER_TARGETS
+        self.prefills_in_flight.labels(label).inc()
+
+    def prefill_finished(self, target: HostPort, still_in_flight: int) -> None:
+        label = self._flight_labels.get(target, OTHER_TARGETS)
+        if still_in_flight == 0:
+            self._flight_labels.pop(target, None)
+            if label != OTHER_TARGETS:
+                # Nothing in flight: drop the series, so pods that are gone leave no trace.
+                self.prefills_in_flight.remove(label)
+                return
+        self.prefills_in_flight.labels(label).dec()
+
+    def breaker_changed(self, target: HostPort, is_open: bool) -> None:
+        """Breaker states are bounded by --max-targets already; a closed one has no series."""
+        if is_open:
+            self.breaker_open.labels(str(target)).set(1)
+        else:
+            with contextlib.suppress(KeyError):
+                self.breaker_open.remove(str(target))

@@ -1,9 +1,11 @@
 """The prefill leg: sent by pdproc itself, detached from the ext_proc stream.
 
 A prefill must outlive the stream that launched it (the client may hang up, the decode may
-finish first), so each runs in a task held by the launcher, not by the stream. Its response
-is only checked; its outcome is counted, logged and handed to whoever still waits for it
-(the stream holding the decode's response headers).
+finish first), so each runs in a task held by the launcher, not by the stream. Its outcome
+is its status line: known as soon as the pod answers, counted, logged and handed to
+whoever still waits for it (the stream holding the decode's response headers). Of the
+body only a bounded part is ever read, and redirects are never followed: the pod the
+allow list admitted is the only one contacted.
 """
 
 from __future__ import annotations
@@ -13,28 +15,37 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from opentelemetry.trace import Span, SpanKind
 
-from pdproc import mooncake
+from pdproc.connectors import Legs
 from pdproc.metrics import Metrics
-from pdproc.targets import HostPort
+from pdproc.pod_http import discard
+from pdproc.targets import PREFILL_HEADER, HostPort
 from pdproc.telemetry import (
     ATTR_DURATION_MS,
-    ATTR_ENGINE_ID,
     ATTR_PREFILL_OUTCOME,
-    ATTR_RANK,
+    ATTR_SERVER_ADDRESS,
+    ATTR_SERVER_PORT,
     ATTR_STATUS,
     ATTR_TARGET,
-    ATTR_TRANSFER_ID,
     Tracing,
     fail,
+    trace_fields,
 )
 
 log = logging.getLogger(__name__)
+
+# Of an error answer, the start is kept for the log (with --log-bodies only: a pod's error
+# may quote the prompt). Of a success, at most this much is read, so the connection can be
+# reused; a pod that keeps sending is cut off.
+ERROR_EXCERPT_BYTES = 512
+MAX_SUCCESS_BODY_BYTES = 256 * 1024
+# Reading the rest of a successful answer never takes longer than this.
+DRAIN_TIMEOUT_S = 5.0
 
 # Never copied onto the prefill request: pseudo-headers (":"-prefixed) are dropped as well,
 # and so is anything pdproc sets itself.
@@ -54,49 +65,55 @@ _DROP_HEADERS = frozenset(
         "upgrade",
         "expect",
         "accept-encoding",
-        "x-prefiller-host-port",
-        mooncake.RANK_HEADER,
+        PREFILL_HEADER,
     }
 )
 
+# Outcomes that say nothing about the pod: never held against it.
+INTERNAL = "internal"
 
-def prefill_headers(client_headers: Mapping[str, str], rank: int) -> dict[str, str]:
+
+def prefill_headers(
+    client_headers: Mapping[str, str], connector_headers: Mapping[str, str]
+) -> dict[str, str]:
     """Headers for the prefill request: the client's end-to-end headers (authorization,
-    x-request-id, trace context ...) minus hop-by-hop and routing ones, plus the dp rank."""
+    x-request-id, trace context ...) minus hop-by-hop and routing ones, plus the connector's
+    own (the dp rank), which a client cannot override."""
+    own = {name.lower() for name in connector_headers}
     headers = {
         name: value
         for name, value in client_headers.items()
-        if not name.startswith((":", "x-envoy-")) and name not in _DROP_HEADERS
+        if not name.startswith((":", "x-envoy-")) and name not in _DROP_HEADERS and name not in own
     }
     headers["content-type"] = "application/json"
-    headers[mooncake.RANK_HEADER] = str(rank)
+    headers.update(connector_headers)
     return headers
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillOutcome:
-    outcome: str  # 2xx | 4xx | 5xx | timeout | connect_error | error
+    outcome: str  # 2xx | 3xx | 4xx | 5xx | timeout | connect_error | error | internal
     duration_s: float
     status: int | None = None
-    error: str | None = None
+    error: str | None = None  # for the client and the log: never the pod's body
+    detail: str | None = None  # the start of the pod's error body: logged with --log-bodies
 
     @property
     def ok(self) -> bool:
         return self.outcome == "2xx"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefillJob:
     target: HostPort
-    rank: int
-    engine_id: str
-    transfer_id: str
+    legs: Legs
     request_id: str
     path: str
     started: float
-    task: asyncio.Task[PrefillOutcome]
+    outcome: asyncio.Future[PrefillOutcome]  # resolved at the status line
+    task: asyncio.Task[None] | None = None  # the whole exchange (bounded read included)
     span: Span | None = None
-    body_excerpt: str | None = None  # only with --log-bodies
+    log_fields: dict[str, Any] = field(default_factory=dict)
 
 
 OutcomeHook = Callable[[PrefillJob, PrefillOutcome], None]
@@ -109,15 +126,16 @@ class PrefillLauncher:
         metrics: Metrics,
         *,
         timeout_s: float,
-        on_outcome: OutcomeHook | None = None,
         tracing: Tracing | None = None,
+        log_bodies: bool = False,
     ) -> None:
         self._client = client
         self._metrics = metrics
         self._timeout_s = timeout_s
-        self._on_outcome = on_outcome
         self._tracing = tracing or Tracing(None)
-        self._tasks: set[asyncio.Task[PrefillOutcome]] = set()
+        self._log_bodies = log_bodies
+        self._on_outcome: OutcomeHook | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self._per_target: Counter[HostPort] = Counter()
         self._per_rank: dict[HostPort, Counter[int]] = {}
 
@@ -142,96 +160,101 @@ class PrefillLauncher:
         self,
         *,
         target: HostPort,
-        rank: int,
-        engine_id: str,
-        transfer_id: str,
+        legs: Legs,
         path: str,
-        parsed: dict[str, Any],
         client_headers: Mapping[str, str],
         parent_span: Span | None = None,
-        body_excerpt: str | None = None,
+        log_fields: Mapping[str, Any] | None = None,
     ) -> PrefillJob:
-        started = time.perf_counter()
-        headers = prefill_headers(client_headers, rank)
+        loop = asyncio.get_running_loop()
+        headers = prefill_headers(client_headers, legs.prefill_headers)
         span = self._tracing.child_span(parent_span, "pdproc.prefill", SpanKind.CLIENT)
         if span is not None:
             span.set_attribute(ATTR_TARGET, str(target))
-            span.set_attribute(ATTR_RANK, rank)
-            span.set_attribute(ATTR_ENGINE_ID, engine_id)
-            span.set_attribute(ATTR_TRANSFER_ID, transfer_id)
+            span.set_attribute(ATTR_SERVER_ADDRESS, target.host)
+            span.set_attribute(ATTR_SERVER_PORT, target.port)
+            for key, value in legs.facts.items():
+                span.set_attribute(f"pdproc.{key}", value)
             self._tracing.inject(span, headers)
-        self._per_target[target] += 1
-        self._per_rank.setdefault(target, Counter())[rank] += 1
-        self._metrics.prefills_in_flight.labels(str(target)).inc()
-        # The body is built inside the task: off the request path, after the decode body has
-        # been handed back to Envoy.
-        coro = self._run(target, transfer_id, path, parsed, headers, started)
-        task = asyncio.get_running_loop().create_task(coro, name=f"prefill {transfer_id}")
         job = PrefillJob(
             target,
-            rank,
-            engine_id,
-            transfer_id,
+            legs,
             client_headers.get("x-request-id", ""),
             path,
-            started,
-            task,
-            span,
-            body_excerpt,
+            time.perf_counter(),
+            loop.create_future(),
+            span=span,
+            log_fields={**(log_fields or {}), **trace_fields(parent_span)},
         )
+        self._per_target[target] += 1
+        if legs.rank is not None:
+            self._per_rank.setdefault(target, Counter())[legs.rank] += 1
+        self._metrics.prefill_started(target)
+        job.outcome.add_done_callback(lambda _: self._finished(job))
+        task = loop.create_task(self._exchange(job, headers), name=f"prefill {job.request_id}")
+        job.task = task
         self._tasks.add(task)
-        task.add_done_callback(lambda _: self._finished(job))
+        task.add_done_callback(self._tasks.discard)
         return job
 
-    async def _run(
-        self,
-        target: HostPort,
-        transfer_id: str,
-        path: str,
-        parsed: dict[str, Any],
-        headers: dict[str, str],
-        started: float,
-    ) -> PrefillOutcome:
+    async def _exchange(self, job: PrefillJob, headers: dict[str, str]) -> None:
+        def settle(outcome: str, **kw: Any) -> None:
+            if not job.outcome.done():
+                duration = time.perf_counter() - job.started
+                job.outcome.set_result(PrefillOutcome(outcome, duration, **kw))
+
+        url = job.target.url() + job.path
         try:
-            body = mooncake.prefill_body(path, parsed, mooncake.prefill_params(transfer_id))
-            async with (
-                asyncio.timeout(self._timeout_s),
-                self._client.post(target.url() + path, data=body, headers=headers) as response,
-            ):
-                status, payload = response.status, await response.read()
+            async with asyncio.timeout(self._timeout_s) as deadline:
+                response = await self._client.post(
+                    url, data=job.legs.prefill_body, headers=headers, allow_redirects=False
+                )
+                async with response:
+                    status = response.status
+                    if 200 <= status < 300:
+                        settle("2xx", status=status)
+                        # Read the (small) rest so the connection can be reused: bounded in
+                        # size and time, and the outcome is already known.
+                        deadline.reschedule(min(deadline.when() or 0.0, _now() + DRAIN_TIMEOUT_S))
+                        await discard(response.content, MAX_SUCCESS_BODY_BYTES)
+                        return
+                    excerpt = await response.content.read(ERROR_EXCERPT_BYTES)
+                    kind = "3xx" if 300 <= status < 400 else f"{min(status // 100, 5)}xx"
+                    note = " (redirects are not followed)" if kind == "3xx" else ""
+                    settle(
+                        kind,
+                        status=status,
+                        error=f"status {status}{note}",
+                        detail=excerpt.decode("utf-8", "replace"),
+                    )
         except TimeoutError:
-            return PrefillOutcome(
-                "timeout", time.perf_counter() - started, error=f"no answer in {self._timeout_s}s"
-            )
+            settle("timeout", error=f"no answer in {self._timeout_s:g}s")
         except aiohttp.ClientConnectorError as exc:
-            return PrefillOutcome("connect_error", time.perf_counter() - started, error=str(exc))
-        except aiohttp.ClientError as exc:
-            return PrefillOutcome("error", time.perf_counter() - started, error=repr(exc))
+            settle("connect_error", error=str(exc))
+        except (aiohttp.ClientError, OSError) as exc:
+            settle("error", error=type(exc).__name__)
+        except asyncio.CancelledError:
+            settle(INTERNAL, error="prefill cancelled")
+            raise
         except Exception as exc:  # a bug must still end as a counted, logged outcome
             log.exception("prefill task crashed")
-            return PrefillOutcome("error", time.perf_counter() - started, error=repr(exc))
-        duration = time.perf_counter() - started
-        if 200 <= status < 300:
-            return PrefillOutcome("2xx", duration, status)
-        detail = payload[:300].decode("utf-8", "replace")
-        return PrefillOutcome(f"{status // 100}xx", duration, status, f"status {status}: {detail}")
+            settle(INTERNAL, error=f"internal error: {type(exc).__name__}")
 
     def _finished(self, job: PrefillJob) -> None:
-        self._tasks.discard(job.task)
         self._per_target[job.target] -= 1
-        if self._per_target[job.target] <= 0:
+        left = self._per_target[job.target]
+        if left <= 0:
             del self._per_target[job.target]
-        ranks = self._per_rank[job.target]
-        ranks[job.rank] -= 1
-        if ranks[job.rank] <= 0:
-            del ranks[job.rank]
-            if not ranks:
-                del self._per_rank[job.target]
-        self._metrics.prefills_in_flight.labels(str(job.target)).dec()
-        if job.task.cancelled():
-            outcome = PrefillOutcome("error", time.perf_counter() - job.started, error="cancelled")
-        else:
-            outcome = job.task.result()
+        rank = job.legs.rank
+        if rank is not None:
+            ranks = self._per_rank[job.target]
+            ranks[rank] -= 1
+            if ranks[rank] <= 0:
+                del ranks[rank]
+                if not ranks:
+                    del self._per_rank[job.target]
+        self._metrics.prefill_finished(job.target, max(left, 0))
+        outcome = job.outcome.result()
         if job.span is not None:
             job.span.set_attribute(ATTR_PREFILL_OUTCOME, outcome.outcome)
             job.span.set_attribute(ATTR_DURATION_MS, round(outcome.duration_s * 1000, 3))
@@ -244,20 +267,19 @@ class PrefillLauncher:
         self._metrics.prefill_seconds.observe(outcome.duration_s)
         fields = {
             "request_id": job.request_id,
-            "transfer_id": job.transfer_id,
             "prefill_target": str(job.target),
-            "dp_rank": job.rank,
-            "engine_id": job.engine_id,
+            **job.legs.facts,
             "path": job.path,
             "prefill_outcome": outcome.outcome,
             "prefill_status": outcome.status,
             "prefill_ms": round(outcome.duration_s * 1000, 3),
+            **job.log_fields,
         }
-        if job.body_excerpt is not None:
-            fields["body"] = job.body_excerpt
         if outcome.ok:
             log.info("pd request prefilled", extra=fields)
         else:
+            if self._log_bodies and outcome.detail:
+                fields["prefill_error_body"] = outcome.detail
             log.warning("pd request prefill failed: %s", outcome.error, extra=fields)
         if self._on_outcome is not None:
             self._on_outcome(job, outcome)
@@ -269,3 +291,7 @@ class PrefillLauncher:
             _, still = await asyncio.wait(pending, timeout=timeout_s)
             return len(still)
         return 0
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()

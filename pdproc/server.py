@@ -1,5 +1,5 @@
-"""Process wiring: the gRPC server (ext_proc + health), the metrics/health HTTP endpoint,
-and graceful shutdown."""
+"""Process wiring: the gRPC server (ext_proc + health, optionally over TLS or mTLS), the
+metrics/health HTTP endpoint, and graceful shutdown."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import gc
 import logging
 import signal
+from pathlib import Path
 
 import aiohttp
 import grpc
@@ -19,10 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pdproc.bootstrap import EngineMaps
 from pdproc.breaker import CircuitBreakers
 from pdproc.config import Settings
+from pdproc.connectors.mooncake import Mooncake
 from pdproc.discovery import DnsPool
-from pdproc.extproc import ExtProcService, Processor
 from pdproc.metrics import Metrics
+from pdproc.pod_http import new_session
 from pdproc.prefill import PrefillLauncher
+from pdproc.service import ExtProcService
 from pdproc.targets import HostPort
 from pdproc.telemetry import Tracing
 
@@ -31,8 +34,8 @@ log = logging.getLogger(__name__)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 
-class ProcessorServer:
-    """One pdproc instance: start(), then stop() (or serve_forever() for the CLI)."""
+class Server:
+    """One pdproc process: start(), then stop() (or serve_forever() for the CLI)."""
 
     def __init__(
         self,
@@ -41,7 +44,7 @@ class ProcessorServer:
         tracer_provider: TracerProvider | None = None,
     ) -> None:
         self.settings = settings
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(max_targets=settings.max_targets)
         self._tracer_provider = tracer_provider
         self.tracing = Tracing(tracer_provider)
         self.port = 0
@@ -51,48 +54,54 @@ class ProcessorServer:
         self._health = health.aio.HealthServicer()
         self._client: aiohttp.ClientSession | None = None
         self._web: web.AppRunner | None = None
-        self.processor: Processor | None = None
+        self.service: ExtProcService | None = None
         self._dns: DnsPool | None = None
 
     async def start(self) -> None:
         s = self.settings
-        # One pooled client for bootstrap queries and prefills (aiohttp rather than httpx:
-        # a third of the CPU per request, measured with py-spy on the benchmark).
-        self._client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
-                limit=s.max_prefill_connections, limit_per_host=0, keepalive_timeout=60
-            ),
-            # Pod-to-pod traffic: never route it through an HTTP(S)_PROXY from the environment.
-            trust_env=False,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
-            # The prefill answer is only checked: no need to decompress anything.
-            auto_decompress=False,
-            skip_auto_headers=("Accept-Encoding", "User-Agent"),
-        )
+        self._client = new_session(s.max_prefill_connections)
         engines = EngineMaps(
             self._client,
             self.metrics,
-            port=s.bootstrap_port,
-            timeout_s=s.bootstrap_timeout_s,
-            ttl_s=s.engine_cache_ttl_s,
+            port=s.mooncake_bootstrap_port,
+            timeout_s=s.bootstrap_timeout,
+            ttl_s=s.engine_cache_ttl,
             size=s.engine_cache_size,
-            refresh_s=s.engine_refresh_s,
+            refresh_s=s.engine_refresh,
             tracing=self.tracing,
         )
         breakers = CircuitBreakers(
-            s.breaker_failures, s.breaker_cooldown_s, on_change=self._breaker_changed
+            s.breaker_failures,
+            s.breaker_cooldown,
+            on_change=self._breaker_changed,
+            max_targets=s.max_targets,
         )
         launcher = PrefillLauncher(
-            self._client, self.metrics, timeout_s=s.prefill_timeout_s, tracing=self.tracing
+            self._client,
+            self.metrics,
+            timeout_s=s.prefill_timeout,
+            tracing=self.tracing,
+            log_bodies=s.log_bodies,
         )
-        self._dns = DnsPool(s.prefill_dns, s.dns_refresh_s) if s.prefill_dns else None
+        self._dns = DnsPool(s.prefill_dns, s.dns_refresh) if s.prefill_dns else None
         if self._dns is not None:
             await self._dns.start()
-        processor = Processor(
-            s, engines, launcher, breakers, self.metrics, self.tracing, dns_pool=self._dns
+        self.service = ExtProcService(
+            s,
+            Mooncake(s.mooncake_bootstrap_port),
+            engines,
+            launcher,
+            breakers,
+            self.metrics,
+            self.tracing,
+            dns_pool=self._dns,
         )
-        processor.launcher.set_hook(processor.on_prefill_outcome)
-        self.processor = processor
+        if s.drain_timeout < s.prefill_timeout + 1:
+            log.warning(
+                "--drain-timeout is shorter than --prefill-timeout + 1 s: prefills still "
+                "running at the end of a drain are abandoned",
+                extra={"drain_timeout": s.drain_timeout, "prefill_timeout": s.prefill_timeout},
+            )
 
         server = grpc.aio.server(
             options=[
@@ -102,44 +111,52 @@ class ProcessorServer:
                 ("grpc.so_reuseport", 1),
             ]
         )
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcService(processor), server)
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        self.port = server.add_insecure_port(s.listen)
+        listen = str(s.listen)
+        credentials = _server_credentials(s)
+        if credentials is None:
+            self.port = server.add_insecure_port(listen)
+        else:
+            self.port = server.add_secure_port(listen, credentials)
         if not self.port:
-            raise OSError(f"cannot listen on {s.listen}")
+            raise OSError(f"cannot listen on {listen}")
         await server.start()
         self._server = server
         for name in ("", EXT_PROC_SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if s.metrics_listen:
+        if s.metrics_listen is not None:
             await self._start_http(s.metrics_listen)
         log.info(
             "pdproc serving",
-            extra={"listen": s.listen, "port": self.port, "metrics_port": self.metrics_port},
+            extra={
+                "listen": listen,
+                "port": self.port,
+                "tls": "mtls" if s.tls_client_ca else "tls" if s.tls_cert else "off",
+                "metrics_port": self.metrics_port,
+                "kv_connector": s.kv_connector.value,
+            },
         )
 
     def _breaker_changed(self, target: HostPort, is_open: bool) -> None:
-        self.metrics.breaker_open.labels(str(target)).set(1 if is_open else 0)
+        self.metrics.breaker_changed(target, is_open)
         log.warning(
             "prefill circuit breaker %s",
             "opened" if is_open else "closed",
             extra={"prefill_target": str(target)},
         )
 
-    async def _start_http(self, listen: str) -> None:
+    async def _start_http(self, listen: HostPort) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics_page)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         self._web = web.AppRunner(app, access_log=None)
         await self._web.setup()
-        host, _, port = listen.rpartition(":")
         # reuse_port: with --workers every process serves the same (aggregated) page.
-        site = web.TCPSite(self._web, host.strip("[]") or None, int(port), reuse_port=True)
+        site = web.TCPSite(self._web, listen.host, listen.port, reuse_port=True)
         await site.start()
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.metrics_port = sockets[0].getsockname()[1] if sockets else int(port)
+        self.metrics_port = _bound_port(self._web, listen.port)
 
     async def _healthz(self, _: web.Request) -> web.Response:
         return _text(200, "ok\n")
@@ -148,17 +165,18 @@ class ProcessorServer:
         return _text(503, "draining\n") if self.draining else _text(200, "ok\n")
 
     async def _metrics_page(self, _: web.Request) -> web.Response:
-        body = self.metrics.exposition()
+        # Off the event loop: a scrape must not stall the requests being processed.
+        body = await asyncio.to_thread(self.metrics.exposition)
         return web.Response(body=body, headers={"content-type": CONTENT_TYPE_LATEST})
 
     async def stop(self, drain_timeout_s: float | None = None, lame_duck_s: float = 0.0) -> int:
         """Drain: report NOT_SERVING, keep serving for `lame_duck_s` so health checks see
         it, refuse new streams, let open ones and in-flight prefills finish. Returns the
         number of prefills abandoned at the deadline (0 is a clean drain)."""
-        timeout = self.settings.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        timeout = self.settings.drain_timeout if drain_timeout_s is None else drain_timeout_s
         self.draining = True
-        if self.processor is not None:
-            self.processor.draining = True
+        if self.service is not None:
+            self.service.draining = True
         await self._health.enter_graceful_shutdown()
         if lame_duck_s > 0:
             await asyncio.sleep(lame_duck_s)
@@ -167,8 +185,8 @@ class ProcessorServer:
         if self._server is not None:
             await self._server.stop(grace=timeout)
         left = 0
-        if self.processor is not None:
-            left = await self.processor.launcher.drain(max(0.0, deadline - loop.time()))
+        if self.service is not None:
+            left = await self.service.launcher.drain(max(0.0, deadline - loop.time()))
             if left:
                 log.error("shutdown abandoned %d in-flight prefills", left)
         if self._dns is not None:
@@ -195,7 +213,7 @@ class ProcessorServer:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         log.info("shutdown requested: draining")
-        lame_duck = min(self.settings.shutdown_delay_s, self.settings.drain_timeout_s)
+        lame_duck = min(self.settings.shutdown_delay, self.settings.drain_timeout)
         left = await self.stop(lame_duck_s=lame_duck)
         return 1 if left else 0
 
@@ -204,9 +222,32 @@ def _text(status: int, text: str) -> web.Response:
     return web.Response(status=status, text=text)
 
 
+def _bound_port(runner: web.AppRunner, asked: int) -> int:
+    """The port the metrics endpoint got (asked for 0 in tests)."""
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    return asked
+
+
+def _server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """TLS for the ext_proc port; with a client CA, Envoy must present a certificate it
+    signed (mTLS)."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    key = Path(settings.tls_key).read_bytes()
+    chain = Path(settings.tls_cert).read_bytes()
+    client_ca = Path(settings.tls_client_ca).read_bytes() if settings.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(key, chain)],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
 def run(settings: Settings, tracer_provider: TracerProvider | None = None) -> int:
     """Run one server until SIGTERM/SIGINT, on uvloop when it is installed."""
-    server = ProcessorServer(settings, tracer_provider=tracer_provider)
+    server = Server(settings, tracer_provider=tracer_provider)
     try:
         import uvloop
     except ImportError:

@@ -8,8 +8,11 @@ only allowed targets are ever contacted (SSRF protection).
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from pdproc.errors import shown
 
 PREFILL_HEADER = "x-prefiller-host-port"
 
@@ -45,8 +48,17 @@ class HostPort:
         return f"{self.url_host}:{self.port}"
 
 
+_PORT = re.compile(r"[0-9]{1,5}")
+# A DNS name or an IPv4 literal, in ASCII: anything else is not a pod address (and must not
+# reach a URL, a log line or a metric label).
+_HOST = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})")
+
+
 def parse_host_port(value: str) -> HostPort:
-    """Parse `host:port`, `[v6]:port` (as Go's net.JoinHostPort writes it) or `http://...`."""
+    """Parse `host:port`, `[v6]:port` (as Go's net.JoinHostPort writes it) or `http://...`.
+
+    Any text gives a HostPort or a TargetError (never another exception): header values
+    are client input."""
     text = value.strip()
     if text.startswith("http://"):
         text = text[len("http://") :]
@@ -54,22 +66,25 @@ def parse_host_port(value: str) -> HostPort:
     if text.startswith("["):
         end = text.find("]")
         if end < 0 or not text[end + 1 :].startswith(":"):
-            raise TargetError(f"invalid prefill target {value!r}: expected [ipv6]:port")
+            raise TargetError(f"invalid prefill target {shown(value)}: expected [ipv6]:port")
         host, port_text = text[1:end], text[end + 2 :]
         try:
-            ipaddress.IPv6Address(host.split("%", 1)[0])
-        except ValueError as exc:
-            raise TargetError(f"invalid prefill target {value!r}: bad IPv6 address") from exc
+            if "%" in host:
+                raise ValueError("zone ids are not pod addresses")
+            address = ipaddress.IPv6Address(host)
+        except ValueError:
+            raise TargetError(f"invalid prefill target {shown(value)}: bad IPv6 address") from None
+        host = str(address)
     else:
         host, sep, port_text = text.rpartition(":")
         if not sep or not host:
-            raise TargetError(f"invalid prefill target {value!r}: expected host:port")
+            raise TargetError(f"invalid prefill target {shown(value)}: expected host:port")
         if ":" in host:
-            raise TargetError(f"invalid prefill target {value!r}: IPv6 needs brackets")
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise TargetError(f"invalid prefill target {value!r}: bad port")
-    if any(c.isspace() or c in "/?#@" for c in host):
-        raise TargetError(f"invalid prefill target {value!r}: bad host")
+            raise TargetError(f"invalid prefill target {shown(value)}: IPv6 needs brackets")
+        if not _HOST.fullmatch(host):
+            raise TargetError(f"invalid prefill target {shown(value)}: bad host")
+    if not _PORT.fullmatch(port_text) or not 0 < int(port_text) < 65536:
+        raise TargetError(f"invalid prefill target {shown(value)}: bad port")
     return HostPort(host.lower(), int(port_text))
 
 
@@ -115,7 +130,7 @@ class AllowList:
                 networks.append(ipaddress.ip_network(entry.strip("[]"), strict=False))
             except ValueError:
                 if any(c.isspace() or c in "/:[]" for c in entry):
-                    raise TargetError(f"invalid --prefill-allow entry {raw!r}") from None
+                    raise TargetError(f"invalid --prefill-allow entry {shown(raw)}") from None
                 hosts.add(entry)
         return cls(tuple(networks), frozenset(hosts), allow_all)
 

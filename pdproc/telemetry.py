@@ -6,8 +6,10 @@ Configured by the standard OpenTelemetry environment variables: `OTEL_TRACES_EXP
 `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER[_ARG]`. With no
 exporter nothing is recorded and the hot path pays one attribute check.
 
-Spans are parented on the W3C trace context Envoy forwards (`traceparent`) and the prefill
-span's context is propagated into the prefill request.
+Spans are parented on Envoy's own span: with tracing on, Envoy puts its trace context in
+the gRPC metadata of the ext_proc call (it injects the HTTP headers only at the router).
+Without it, a client's `traceparent` header is the parent. The prefill span's context is
+propagated into the prefill request.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 from collections.abc import Mapping, MutableMapping
 
 from opentelemetry import propagate, trace
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
@@ -37,6 +39,14 @@ ATTR_PREFILL_OUTCOME = "pdproc.prefill.outcome"
 ATTR_DURATION_MS = "pdproc.duration_ms"
 ATTR_CACHE = "pdproc.bootstrap.cache"
 ATTR_ENGINES = "pdproc.bootstrap.engines"
+ATTR_SERVER_ADDRESS = "server.address"
+ATTR_SERVER_PORT = "server.port"
+# The request span is the server span of the ext_proc gRPC call.
+_RPC_ATTRIBUTES = {
+    "rpc.system": "grpc",
+    "rpc.service": "envoy.service.ext_proc.v3.ExternalProcessor",
+    "rpc.method": "Process",
+}
 
 
 class Tracing:
@@ -46,11 +56,20 @@ class Tracing:
         self.enabled = provider is not None
         self._tracer = (provider or trace.NoOpTracerProvider()).get_tracer("pdproc", __version__)
 
-    def request_span(self, headers: Mapping[str, str], path: str, method: str) -> Span | None:
+    def request_span(
+        self,
+        headers: Mapping[str, str],
+        path: str,
+        method: str,
+        call_metadata: Mapping[str, str] | None = None,
+    ) -> Span | None:
         if not self.enabled:
             return None
-        parent = propagate.extract(headers)
-        span = self._tracer.start_span("pdproc.request", context=parent, kind=SpanKind.SERVER)
+        carrier = call_metadata if call_metadata and "traceparent" in call_metadata else headers
+        parent = propagate.extract(carrier)
+        span = self._tracer.start_span(
+            "pdproc.request", context=parent, kind=SpanKind.SERVER, attributes=_RPC_ATTRIBUTES
+        )
         span.set_attribute(ATTR_PATH, path)
         span.set_attribute(ATTR_METHOD, method)
         span.set_attribute(ATTR_REQUEST_ID, headers.get("x-request-id", ""))
@@ -73,6 +92,16 @@ def fail(span: Span | None, message: str) -> None:
         span.set_status(Status(StatusCode.ERROR, message))
 
 
+def trace_fields(span: Span | None) -> dict[str, str]:
+    """`trace_id` and `span_id` for a log line, so logs and traces join up."""
+    if span is None:
+        return {}
+    context = span.get_span_context()
+    if not context.is_valid:
+        return {}
+    return {"trace_id": f"{context.trace_id:032x}", "span_id": f"{context.span_id:016x}"}
+
+
 def provider_from_env(env: Mapping[str, str] | None = None) -> TracerProvider | None:
     """A tracer provider as the OTEL_* variables ask for, or None when tracing is off."""
     env = os.environ if env is None else env
@@ -80,24 +109,20 @@ def provider_from_env(env: Mapping[str, str] | None = None) -> TracerProvider | 
     exporters = [_exporter(name, env) for name in names if name != "none"]
     if not exporters:
         return None
-    resource = Resource.create({"service.name": "pdproc", "service.version": __version__})
+    # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES win over pdproc's own defaults.
+    defaults = {"service.name": "pdproc", "service.version": __version__}
+    resource = Resource.create({**defaults, **OTELResourceDetector().detect().attributes})
     provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
 
 
-_PROTO_CLASH = (
-    "the OTLP exporter cannot load opentelemetry-proto: xds-protos installs an older copy of "
-    "the same files; run `pip install --force-reinstall --no-deps opentelemetry-proto`"
-)
-
-
 def _exporter(name: str, env: Mapping[str, str]) -> SpanExporter:
     try:
         return _load_exporter(name, env)
     except ImportError as exc:
-        raise ValueError(f"{_PROTO_CLASH} ({exc})") from None
+        raise ValueError(f"the {name} trace exporter cannot be loaded: {exc}") from None
 
 
 def _load_exporter(name: str, env: Mapping[str, str]) -> SpanExporter:

@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-def run_workers(settings: Settings, count: int, log_level: str, log_format: str) -> int:
-    if settings.listen.rsplit(":", 1)[-1] == "0":
+def run_workers(settings: Settings) -> int:
+    if settings.listen.port == 0:
         log.error("--workers needs a fixed --listen port: every worker must bind the same one")
         return 2
     metrics_dir = tempfile.mkdtemp(prefix="pdproc-metrics-")
@@ -39,9 +39,7 @@ def run_workers(settings: Settings, count: int, log_level: str, log_format: str)
     stopping: list[int] = []
 
     def start(index: int) -> BaseProcess:
-        process = context.Process(
-            target=_worker, args=(settings, log_level, log_format), name=f"pdproc-worker-{index}"
-        )
+        process = context.Process(target=_worker, args=(settings,), name=f"pdproc-worker-{index}")
         process.start()
         return process
 
@@ -51,7 +49,7 @@ def run_workers(settings: Settings, count: int, log_level: str, log_format: str)
             if process.pid is not None and process.is_alive():
                 os.kill(process.pid, signal.SIGTERM)
 
-    workers = [start(i) for i in range(count)]
+    workers = [start(i) for i in range(settings.workers)]
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     log.info("pdproc workers started", extra={"workers": [p.pid for p in workers]})
@@ -81,10 +79,10 @@ def _mark_dead(process: BaseProcess) -> None:
         multiprocess.mark_process_dead(process.pid)  # type: ignore[no-untyped-call]
 
 
-def _worker(settings: Settings, log_level: str, log_format: str) -> None:
+def _worker(settings: Settings) -> None:
     from pdproc.logs import setup_logging
     from pdproc.server import run
     from pdproc.telemetry import provider_from_env
 
-    setup_logging(log_level, log_format)
+    setup_logging(settings.log_level, settings.log_format)
     sys.exit(run(settings, provider_from_env()))

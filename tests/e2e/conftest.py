@@ -52,3 +52,29 @@ def eventually(check: Callable[[], Any], timeout_s: float = 15.0) -> Any:
 def ext_proc_errors(stack: Stack) -> dict[str, int]:
     stats = stack.envoy.stats("http.ingress.ext_proc.")
     return {name: stats.get(f"http.ingress.ext_proc.{name}", 0) for name in EXT_PROC_ERRORS}
+
+
+def forget_engine_ids(stack: Stack) -> None:
+    """Empty pdproc's engine-id cache for the simulated prefill pod the way production does:
+    a failed prefill drops its pod's entry (the cache is keyed by host, so no other port of
+    the same host would be a miss)."""
+    import httpx
+
+    def send() -> int:
+        return httpx.post(
+            stack.envoy.url + "/v1/completions",
+            json={"model": "m", "prompt": "x", "max_tokens": 1},
+            headers={"x-prefiller-host-port": str(stack.sim.prefill)},
+            timeout=30,
+        ).status_code
+
+    stack.sim_post("prefill", "/sim/faults", {"clear": True})
+    # A success first: it closes the pod's breaker if an earlier test opened it.
+    eventually(lambda: send() == 200)
+    stack.sim_post("prefill", "/sim/faults", {"prefill_status": 500})
+    before = stack.metric("pdproc_engine_cache_events_total", event="invalidation")
+    send()
+    eventually(
+        lambda: stack.metric("pdproc_engine_cache_events_total", event="invalidation") > before
+    )
+    stack.sim_post("prefill", "/sim/faults", {"clear": True})

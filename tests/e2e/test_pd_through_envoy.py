@@ -10,7 +10,7 @@ import orjson
 import pytest
 from pdproc_sim.devstack import Stack
 
-from .conftest import eventually, ext_proc_errors
+from .conftest import eventually, ext_proc_errors, forget_engine_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -222,12 +222,13 @@ def test_invalid_json_gets_400(fresh: Stack) -> None:
 
 @pytest.mark.parametrize("fault", ["down", "garbage", "empty"])
 def test_bootstrap_failure_gets_502(fresh: Stack, fault: str) -> None:
+    forget_engine_ids(fresh)
+    fresh.sim_post("prefill", "/sim/reset")
+    fresh.sim_post("decode", "/sim/reset")
     fresh.sim_post("prefill", "/sim/faults", {"bootstrap": fault})
-    # The engine-id cache is keyed by prefill host:port while the bootstrap address depends
-    # on the host alone: a target on another port of this host is a miss that queries the
-    # faulty bootstrap server (the port itself is never contacted).
-    uncached = {"x-prefiller-host-port": f"127.0.0.1:{fresh.sim.decode.port}"}
-    response = httpx.post(fresh.envoy.url + "/v1/chat/completions", json=CHAT, headers=uncached)
+    response = httpx.post(
+        fresh.envoy.url + "/v1/chat/completions", json=CHAT, headers=target(fresh)
+    )
     assert response.status_code == 502
     assert response.json()["type"] == "BadGateway"
     assert records(fresh, "decode") == []
@@ -251,8 +252,11 @@ def test_failed_prefill_is_a_fast_502_and_the_decode_is_cancelled(fresh: Stack) 
     assert error["type"] == "BadGateway"
     assert "prefill failed" in error["message"]
     assert response.headers["x-pdproc-error"] == "prefill_failed"
-    # The decode had started waiting for KV; Envoy reset it when pdproc aborted.
-    eventually(lambda: fresh.sim_get("decode", "/sim/stats")["cancelled"] >= 1)
+    # The decode had started waiting for KV and Envoy reset it when pdproc aborted (or it
+    # learnt from the prefill pod that the KV never comes, or, when the prefill failed
+    # first, Envoy never sent it): nothing is left waiting and no decode ran to the end.
+    eventually(lambda: fresh.sim_get("decode", "/sim/stats")["in_flight"] == 0)
+    assert fresh.sim_get("decode", "/sim/stats")["completed"] == 0
 
 
 def test_four_mib_prompt(fresh: Stack) -> None:

@@ -20,14 +20,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
 
 from pdproc.config import BootstrapPolicy, Settings
-from pdproc.server import ProcessorServer
-from pdproc.targets import AllowList
+from pdproc.server import Server
+from pdproc.targets import AllowList, HostPort
 
 from .messages import CHAT, body_msg, headers_msg, recv, response_headers_msg
 
 
 class Harness:
-    def __init__(self, server: ProcessorServer, prefill: RunningPrefill) -> None:
+    def __init__(self, server: Server, prefill: RunningPrefill) -> None:
         self.server = server
         self.prefill = prefill
         self.channel = grpc.aio.insecure_channel(
@@ -90,10 +90,10 @@ async def prefill() -> AsyncIterator[RunningPrefill]:
 def base_settings(prefill: RunningPrefill) -> Settings:
     assert prefill.bootstrap_port is not None
     return Settings(
-        listen="127.0.0.1:0",
-        bootstrap_port=prefill.bootstrap_port,
-        allow=AllowList.parse(["127.0.0.1/32", "::1/128"]),
-        prefill_timeout_s=10.0,
+        listen=HostPort("127.0.0.1", 0),
+        mooncake_bootstrap_port=prefill.bootstrap_port,
+        prefill_allow=AllowList.parse(["127.0.0.1/32", "::1/128"]),
+        prefill_timeout=10.0,
         max_body_bytes=8 * 1024 * 1024,
     )
 
@@ -105,7 +105,7 @@ async def make_harness(
     started: list[Harness] = []
 
     async def make(**overrides: Any) -> Harness:
-        server = ProcessorServer(replace(base_settings(prefill), **overrides))
+        server = Server(replace(base_settings(prefill), **overrides))
         await server.start()
         harness = Harness(server, prefill)
         started.append(harness)
@@ -245,7 +245,7 @@ async def test_array_body_gets_400(h: Harness) -> None:
 async def test_disallowed_target_gets_403_and_no_traffic(
     make_harness: Callable[..., Any],
 ) -> None:
-    h: Harness = await make_harness(allow=AllowList.parse(["10.0.0.0/8"]))
+    h: Harness = await make_harness(prefill_allow=AllowList.parse(["10.0.0.0/8"]))
     call = h.open()
     await call.write(headers_msg(extra=h.target))
     answer = await recv(call)
@@ -284,7 +284,7 @@ async def test_pool_member_is_used_without_header_or_allow_list(
     from pdproc.targets import parse_host_port
 
     h: Harness = await make_harness(
-        prefill_pool=(parse_host_port(prefill.address),), allow=AllowList()
+        prefill=(parse_host_port(prefill.address),), prefill_allow=AllowList()
     )
     call = h.open()
     await call.write(headers_msg())
@@ -328,8 +328,8 @@ async def test_cancelled_stream_leaves_prefill_running(h: Harness) -> None:
     await recv(call)
     call.cancel()  # the client hung up; Envoy resets the stream
     await eventually(lambda: h.sample("pdproc_streams_active") == 0)
-    assert h.server.processor is not None
-    assert h.server.processor.launcher.total_in_flight == 1
+    assert h.server.service is not None
+    assert h.server.service.launcher.total_in_flight == 1
     await h.faults(prefill_hang=False)
     await eventually(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 1)
     assert h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="pd") == 1
@@ -357,7 +357,7 @@ async def test_failed_prefill_aborts_before_response(h: Harness) -> None:
 async def test_prefill_timeout_aborts_held_response_with_504(
     make_harness: Callable[..., Any],
 ) -> None:
-    h: Harness = await make_harness(prefill_timeout_s=0.3)
+    h: Harness = await make_harness(prefill_timeout=0.3)
     await h.faults(prefill_hang=True)
     call = await h.past_headers()
     await call.write(body_msg(CHAT))
@@ -455,13 +455,13 @@ async def test_log_bodies_adds_the_prompt_only_when_asked(
 async def test_a_bug_is_answered_as_a_500_not_a_broken_stream(
     h: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert h.server.processor is not None
+    assert h.server.service is not None
 
     async def broken(*_: Any) -> Any:
         raise RuntimeError("simulated bug")
 
     # The one stand-in in this file: a defect cannot be produced on purpose otherwise.
-    monkeypatch.setattr(h.server.processor.engines, "get", broken)
+    monkeypatch.setattr(h.server.service.engines, "get", broken)
     call = await h.past_headers()
     await call.write(body_msg(CHAT))
     answer = await recv(call)

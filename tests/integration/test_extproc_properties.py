@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
 
 from pdproc.config import Settings
-from pdproc.server import ProcessorServer
-from pdproc.targets import AllowList
+from pdproc.server import Server
+from pdproc.targets import AllowList, HostPort
 
 REQUEST_TO_RESPONSE = {
     "request_headers": "request_headers",
@@ -44,12 +44,12 @@ class Background:
         self.thread.start()
         self.prefill: RunningPrefill = self.run(start_prefill(PrefillConfig(dp_ranks=2)))
         assert self.prefill.bootstrap_port is not None
-        self.server = ProcessorServer(
+        self.server = Server(
             Settings(
-                listen="127.0.0.1:0",
-                bootstrap_port=self.prefill.bootstrap_port,
-                allow=AllowList.parse(["127.0.0.1/32"]),
-                prefill_timeout_s=5,
+                listen=HostPort("127.0.0.1", 0),
+                mooncake_bootstrap_port=self.prefill.bootstrap_port,
+                prefill_allow=AllowList.parse(["127.0.0.1/32"]),
+                prefill_timeout=5,
                 max_body_bytes=64 * 1024,
             )
         )
@@ -246,14 +246,14 @@ def test_nothing_leaks_afterwards(background: Background) -> None:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         streams = metrics.get_sample_value("pdproc_streams_active")
-        assert background.server.processor is not None
-        prefills = background.server.processor.launcher.total_in_flight
+        assert background.server.service is not None
+        prefills = background.server.service.launcher.total_in_flight
         if streams == 0 and prefills == 0:
             break
         time.sleep(0.05)
     assert metrics.get_sample_value("pdproc_streams_active") == 0
-    assert background.server.processor is not None
-    assert background.server.processor.launcher.total_in_flight == 0
+    assert background.server.service is not None
+    assert background.server.service.launcher.total_in_flight == 0
     # The sequences did reach every part: P/D pairs, rejections and passthroughs.
     outcomes = {
         s.labels["outcome"]

@@ -17,8 +17,8 @@ from opentelemetry.trace import StatusCode
 from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
 
 from pdproc.config import Settings
-from pdproc.server import ProcessorServer
-from pdproc.targets import AllowList
+from pdproc.server import Server
+from pdproc.targets import AllowList, HostPort
 from pdproc.telemetry import provider_from_env
 
 from .messages import CHAT, body_msg, headers_msg, recv, response_headers_msg
@@ -28,7 +28,7 @@ TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 
 
 class Traced:
-    def __init__(self, server: ProcessorServer, exporter: InMemorySpanExporter) -> None:
+    def __init__(self, server: Server, exporter: InMemorySpanExporter) -> None:
         self.server = server
         self.exporter = exporter
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
@@ -55,11 +55,11 @@ async def traced(prefill: RunningPrefill) -> AsyncIterator[Traced]:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     assert prefill.bootstrap_port is not None
     settings = Settings(
-        listen="127.0.0.1:0",
-        bootstrap_port=prefill.bootstrap_port,
-        allow=AllowList.parse(["127.0.0.1/32"]),
+        listen=HostPort("127.0.0.1", 0),
+        mooncake_bootstrap_port=prefill.bootstrap_port,
+        prefill_allow=AllowList.parse(["127.0.0.1/32"]),
     )
-    server = ProcessorServer(settings, tracer_provider=provider)
+    server = Server(settings, tracer_provider=provider)
     await server.start()
     traced = Traced(server, exporter)
     yield traced

@@ -8,40 +8,52 @@ from pathlib import Path
 import pytest
 
 from pdproc import __version__
-from pdproc.cli import SERVE_OPTIONS, ConfigError, build_settings, load_config_file, main, resolve
-from pdproc.config import BootstrapPolicy
+from pdproc.cli import ConfigError, load_config_file, main, resolve
+from pdproc.config import BootstrapPolicy, Settings, declared, settings_table
 from pdproc.targets import HostPort
 
 
 def namespace(**given: object) -> argparse.Namespace:
-    values: dict[str, object] = {opt.key: None for opt in SERVE_OPTIONS}
+    values: dict[str, object] = {setting.name: None for setting in declared()}
     values.update(given)
     return argparse.Namespace(**values)
 
 
 def test_defaults() -> None:
-    settings = build_settings(resolve(namespace(), {}, {}))
-    assert settings.listen == "0.0.0.0:9002"
-    assert settings.bootstrap_port == 8998
-    assert settings.prefill_timeout_s == 60.0
+    settings = resolve(namespace(), {}, {})
+    assert settings == Settings()
+    assert settings.listen == HostPort("0.0.0.0", 9002)
+    assert settings.mooncake_bootstrap_port == 8998
+    assert settings.prefill_timeout == 60.0
     assert settings.on_bootstrap_error is BootstrapPolicy.REJECT
-    assert "/v1/chat/completions" in settings.pd_paths
+    assert "/v1/chat/completions" in settings.pd_path
+
+
+def test_every_setting_is_declared_once_with_flag_env_and_yaml_key() -> None:
+    names = [setting.name for setting in declared()]
+    assert len(names) == len(set(names))
+    table = settings_table()
+    for setting in declared():
+        assert f"`{setting.flag}`" in table
+        assert f"`PDPROC_{setting.name.upper()}`" in table
+        # The default the table shows is the one Settings() has.
+        assert getattr(Settings(), setting.name) == setting.default
 
 
 def test_precedence_flag_over_env_over_file() -> None:
     file_values = {"mooncake_bootstrap_port": 9000, "prefill_timeout": 5, "breaker_failures": 7}
     env = {"MOONCAKE_BOOTSTRAP_PORT": "9001", "PDPROC_PREFILL_TIMEOUT": "6"}
     values = resolve(namespace(mooncake_bootstrap_port="9002"), env, file_values)
-    assert values["mooncake_bootstrap_port"] == 9002  # flag
-    assert values["prefill_timeout"] == 6.0  # env over file
-    assert values["breaker_failures"] == 7  # file over default
+    assert values.mooncake_bootstrap_port == 9002  # flag
+    assert values.prefill_timeout == 6.0  # env over file
+    assert values.breaker_failures == 7  # file over default
     values = resolve(namespace(), env, file_values)
-    assert values["mooncake_bootstrap_port"] == 9001
+    assert values.mooncake_bootstrap_port == 9001
 
 
 def test_pdproc_env_name_wins_over_vllm_alias() -> None:
     env = {"PDPROC_MOONCAKE_BOOTSTRAP_PORT": "7000", "MOONCAKE_BOOTSTRAP_PORT": "7001"}
-    assert resolve(namespace(), env, {})["mooncake_bootstrap_port"] == 7000
+    assert resolve(namespace(), env, {}).mooncake_bootstrap_port == 7000
 
 
 def test_repeatable_settings_from_each_source(tmp_path: Path) -> None:
@@ -50,14 +62,12 @@ def test_repeatable_settings_from_each_source(tmp_path: Path) -> None:
         "prefill:\n  - 10.0.0.1:8000\n  - '[fd00::1]:8000'\nprefill-allow: 10.0.0.0/8\n"
     )
     file_values = load_config_file(str(config))
-    settings = build_settings(resolve(namespace(), {}, file_values))
-    assert settings.prefill_pool == (HostPort("10.0.0.1", 8000), HostPort("fd00::1", 8000))
+    settings = resolve(namespace(), {}, file_values)
+    assert settings.prefill == (HostPort("10.0.0.1", 8000), HostPort("fd00::1", 8000))
     env = {"PDPROC_PREFILL": "10.0.0.2:8000,10.0.0.3:8000"}
-    assert len(build_settings(resolve(namespace(), env, file_values)).prefill_pool) == 2
+    assert len(resolve(namespace(), env, file_values).prefill) == 2
     flags = namespace(prefill=["10.0.0.9:1"])
-    assert build_settings(resolve(flags, env, file_values)).prefill_pool == (
-        HostPort("10.0.0.9", 1),
-    )
+    assert resolve(flags, env, file_values).prefill == (HostPort("10.0.0.9", 1),)
 
 
 def test_unknown_file_key_is_rejected(tmp_path: Path) -> None:
@@ -74,6 +84,8 @@ def test_unknown_file_key_is_rejected(tmp_path: Path) -> None:
         ({}, {"MOONCAKE_BOOTSTRAP_PORT": "70000"}, "MOONCAKE_BOOTSTRAP_PORT"),
         ({"on_bootstrap_error": "maybe"}, {}, "--on-bootstrap-error"),
         ({"listen": "nowhere"}, {}, "--listen"),
+        ({"tls_cert": "cert.pem"}, {}, "--tls-cert and --tls-key"),
+        ({}, {"PDPROC_PD_PATH": "v1/chat"}, "PDPROC_PD_PATH"),
     ],
 )
 def test_bad_values_name_their_source(
@@ -99,19 +111,18 @@ def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     help_text = capsys.readouterr().out
-    for opt in SERVE_OPTIONS:
-        assert opt.flag in help_text
+    for setting in declared():
+        assert setting.flag in help_text
     assert "PDPROC_PREFILL_TIMEOUT" in help_text
 
 
 def test_switches_take_no_value_on_the_command_line_and_booleans_elsewhere() -> None:
     parser_values = resolve(namespace(log_bodies="true"), {"PDPROC_LOG_BODIES": "0"}, {})
-    assert parser_values["log_bodies"] is True
+    assert parser_values.log_bodies is True
     assert (
-        resolve(namespace(), {"PDPROC_LOG_BODIES": "off"}, {"log_bodies": True})["log_bodies"]
-        is False
+        resolve(namespace(), {"PDPROC_LOG_BODIES": "off"}, {"log_bodies": True}).log_bodies is False
     )
-    assert resolve(namespace(), {}, {"log_bodies": True})["log_bodies"] is True
-    assert resolve(namespace(), {}, {})["log_bodies"] is False
+    assert resolve(namespace(), {}, {"log_bodies": True}).log_bodies is True
+    assert resolve(namespace(), {}, {}).log_bodies is False
     with pytest.raises(ConfigError, match="PDPROC_LOG_BODIES"):
         resolve(namespace(), {"PDPROC_LOG_BODIES": "maybe"}, {})

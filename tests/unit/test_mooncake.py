@@ -1,4 +1,4 @@
-"""Body rewriting, priming, engine-map parsing and rank choice: pure logic, no servers."""
+"""Body checks, rewriting, priming, engine-map parsing and rank choice: pure logic."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Any
 import orjson
 import pytest
 
-from pdproc import mooncake
+from pdproc import request_body as rb
+from pdproc.connectors import ClientRequest, Legs, mooncake
+from pdproc.targets import HostPort
 
 CHAT = {
     "model": "Qwen/Qwen2-0.5B",
@@ -20,11 +22,11 @@ CHAT = {
 
 def primed(original: dict[str, Any], path: str = "/v1/chat/completions") -> dict[str, Any]:
     target = dict(original)
-    mooncake.prime_single_token(path, target, original)
+    rb.prime_single_token(path, target, original)
     return target
 
 
-# llm-d's PrimeSingleTokenRequest cases (research/seed-system.md §4).
+# llm-d's PrimeSingleTokenRequest cases.
 def test_prime_without_token_fields_sets_max_tokens_only() -> None:
     out = primed({"model": "m"})
     assert out["max_tokens"] == 1
@@ -57,7 +59,7 @@ def test_prime_turns_streaming_off_and_drops_stream_options() -> None:
 
 def test_prime_in_place_when_target_is_original() -> None:
     body = {"model": "m", "max_completion_tokens": 7, "stream": True}
-    mooncake.prime_single_token("/v1/completions", body, body)
+    rb.prime_single_token("/v1/completions", body, body)
     assert body["max_tokens"] == 1
     assert body["max_completion_tokens"] == 1
 
@@ -65,7 +67,7 @@ def test_prime_in_place_when_target_is_original() -> None:
 def test_prime_separate_target_leaves_original_alone() -> None:
     original = {"max_tokens": 50}
     target: dict[str, Any] = {}
-    mooncake.prime_single_token("/v1/chat/completions", target, original)
+    rb.prime_single_token("/v1/chat/completions", target, original)
     assert "max_completion_tokens" not in target
     assert original == {"max_tokens": 50}
 
@@ -98,7 +100,7 @@ def test_prefill_body_has_prefill_params_and_is_primed() -> None:
     body = orjson.loads(
         mooncake.prefill_body(
             "/v1/chat/completions",
-            {**CHAT, "max_completion_tokens": 100, "kv_transfer_params": {"evil": 1}},
+            {**CHAT, "max_completion_tokens": 100},
             mooncake.prefill_params("xfer-1"),
         )
     )
@@ -115,9 +117,13 @@ def params() -> dict[str, Any]:
     return mooncake.decode_params("xfer-9", "http://10.0.0.1:8998", "eng-0")
 
 
+def decode_body(raw: bytes, parsed: dict[str, Any], kv: dict[str, Any]) -> bytes:
+    return rb.with_field(raw, parsed, rb.KV_PARAMS, kv)
+
+
 def test_decode_body_keeps_client_fields_and_sets_params() -> None:
     raw = orjson.dumps({**CHAT, "stream": True, "stream_options": {"include_usage": True}})
-    out = orjson.loads(mooncake.decode_body(raw, orjson.loads(raw), params()))
+    out = orjson.loads(decode_body(raw, orjson.loads(raw), params()))
     assert out["kv_transfer_params"] == {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -132,24 +138,74 @@ def test_decode_body_keeps_client_fields_and_sets_params() -> None:
 
 def test_decode_body_splice_keeps_client_bytes_exactly() -> None:
     # Exact number spelling, key order, whitespace and unicode survive: only the tail changes.
-    raw = b'{ "model": "m", "seed": 123456789012345678901234567890, "t": 1.50, "x": "\xc3\xa9" }\n'
-    out = mooncake.decode_body(raw, mooncake.parse_body(raw), params())
-    assert out.startswith(b'{ "model": "m", "seed": 123456789012345678901234567890, "t": 1.50')
+    raw = b'{ "model": "m", "seed": 18446744073709551615, "t": 1.50, "x": "\xc3\xa9" }\n'
+    out = decode_body(raw, rb.parse_body(raw), params())
+    assert out.startswith(b'{ "model": "m", "seed": 18446744073709551615, "t": 1.50')
     decoded = json.loads(out)
-    assert decoded["seed"] == 123456789012345678901234567890
+    assert decoded["seed"] == 18446744073709551615
     assert decoded["kv_transfer_params"]["transfer_id"] == "xfer-9"
 
 
 def test_decode_body_of_empty_object() -> None:
-    out = mooncake.decode_body(b"{}", {}, params())
+    out = decode_body(b"{}", {}, params())
     assert json.loads(out) == {"kv_transfer_params": params()}
 
 
-def test_decode_body_replaces_client_kv_params() -> None:
-    raw = orjson.dumps({**CHAT, "kv_transfer_params": {"remote_bootstrap_addr": "http://evil"}})
-    out = mooncake.decode_body(raw, orjson.loads(raw), params())
-    assert out.count(b"kv_transfer_params") == 1
-    assert orjson.loads(out)["kv_transfer_params"] == params()
+@pytest.mark.parametrize(
+    "raw",
+    [
+        orjson.dumps({**CHAT, "kv_transfer_params": {"remote_bootstrap_addr": "http://evil"}}),
+        b'{"model": "m", "kv_transfer_params": null}',
+        # The same key to any JSON parser, spelled with an escape.
+        b'{"model": "m", "kv\\u005ftransfer_params": {"remote_engine_id": "x"}}',
+        b'{"kv_transfer_params": 1, "model": "m", "kv_transfer_params": 2}',
+    ],
+)
+def test_client_kv_params_are_refused(raw: bytes) -> None:
+    with pytest.raises(rb.BodyError, match="kv_transfer_params is set by the gateway"):
+        rb.parse_body(raw)
+
+
+def test_a_prompt_mentioning_kv_params_is_fine() -> None:
+    raw = orjson.dumps({**CHAT, "messages": [{"role": "user", "content": '"kv_transfer_params"'}]})
+    assert rb.parse_body(raw)["model"] == CHAT["model"]
+
+
+@pytest.mark.parametrize(
+    "number", [b"18446744073709551616", b"-9223372036854775809", b"123456789012345678901234567890"]
+)
+def test_integers_no_leg_can_carry_exactly_are_refused(number: bytes) -> None:
+    with pytest.raises(rb.BodyError, match="64 bits"):
+        rb.parse_body(b'{"model": "m", "seed": ' + number + b"}")
+
+
+def test_long_digit_runs_in_strings_are_fine() -> None:
+    raw = b'{"model": "m", "prompt": "pi is 31415926535897932384626433832795"}'
+    assert rb.parse_body(raw)["prompt"].startswith("pi")
+
+
+def test_nesting_past_what_the_prefill_body_can_carry_is_a_body_error() -> None:
+    raw = b'{"model":"m","x":' + b"[" * 300 + b"]" * 300 + b"}"
+    request = ClientRequest("/v1/chat/completions", raw, rb.parse_body(raw))
+    connector = mooncake.Mooncake(8998)
+    with pytest.raises(rb.BodyError, match="cannot be forwarded"):
+        connector.legs(request, HostPort("10.0.0.1", 8000), {0: "e0"}, {})
+
+
+def test_mooncake_legs() -> None:
+    raw = orjson.dumps({**CHAT, "stream": True})
+    request = ClientRequest("/v1/chat/completions", raw, rb.parse_body(raw))
+    legs = mooncake.Mooncake(8998).legs(request, HostPort("fd00::1", 8000), {3: "e3"}, {})
+    assert isinstance(legs, Legs)
+    assert legs.rank == 3
+    assert legs.prefill_headers == {mooncake.RANK_HEADER: "3"}
+    decode = orjson.loads(legs.decode_body)["kv_transfer_params"]
+    prefill = orjson.loads(legs.prefill_body)
+    assert decode["remote_bootstrap_addr"] == "http://[fd00::1]:8998"
+    assert decode["remote_engine_id"] == "e3"
+    assert decode["transfer_id"] == prefill["kv_transfer_params"]["transfer_id"]
+    assert prefill["stream"] is False
+    assert legs.facts["transfer_id"] == decode["transfer_id"]
 
 
 @pytest.mark.parametrize(
@@ -164,8 +220,8 @@ def test_decode_body_replaces_client_kv_params() -> None:
     ],
 )
 def test_parse_body_rejects_non_objects(raw: bytes, message: str) -> None:
-    with pytest.raises(mooncake.BodyError, match=message):
-        mooncake.parse_body(raw)
+    with pytest.raises(rb.BodyError, match=message):
+        rb.parse_body(raw)
 
 
 def test_engine_map_good() -> None:
@@ -223,6 +279,16 @@ def test_transfer_ids_are_unique_and_prefixed() -> None:
     "raw", [b"{}", b"{ \n }", b"{}\r\n", b'{"a": [1, {"b": 2}] }\t\n', b' {"a":1}']
 )
 def test_decode_body_splice_handles_whitespace(raw: bytes) -> None:
-    parsed = mooncake.parse_body(raw)
-    out = mooncake.decode_body(raw, parsed, params())
+    parsed = rb.parse_body(raw)
+    out = decode_body(raw, parsed, params())
     assert json.loads(out) == {**parsed, "kv_transfer_params": params()}
+
+
+def test_engine_map_bounds() -> None:
+    many = orjson.dumps({str(i): {"engine_id": f"e{i}"} for i in range(mooncake.MAX_RANKS + 1)})
+    with pytest.raises(mooncake.BootstrapError, match="more than"):
+        mooncake.parse_engine_map(many)
+    with pytest.raises(mooncake.BootstrapError, match="larger than"):
+        mooncake.parse_engine_map(b" " * (mooncake.MAX_QUERY_BYTES + 1))
+    with pytest.raises(mooncake.BootstrapError, match="too long"):
+        mooncake.parse_engine_map(orjson.dumps({"0": {"engine_id": "e" * 1000}}))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pdproc.targets import AllowList, HostPort, TargetError, parse_host_port, target_from_header
 
@@ -95,3 +97,31 @@ def test_empty_allow_list_allows_nothing_and_star_allows_all() -> None:
 def test_allow_list_rejects_garbage() -> None:
     with pytest.raises(TargetError):
         AllowList.parse(["10.0.0.0/33x"])
+
+
+@given(st.text(max_size=80))
+def test_any_header_text_is_a_target_or_a_target_error(value: str) -> None:
+    """Header values are client input: never anything but a target or a 400."""
+    try:
+        target = parse_host_port(value)
+    except TargetError as exc:
+        assert len(str(exc)) < 200  # what is echoed back is bounded
+    else:
+        assert 0 < target.port < 65536
+        assert target.host.isascii()
+        assert parse_host_port(str(target)) == target
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["10.0.0.1:80\u00b2", "10.0.0.1:\u0968\u0966", "[fe80::1%eth0]:80", "ex\u00e4mple:80"],
+)
+def test_non_ascii_digits_and_zone_ids_are_rejected(value: str) -> None:
+    with pytest.raises(TargetError):
+        parse_host_port(value)
+
+
+def test_a_huge_header_value_is_not_echoed_whole() -> None:
+    with pytest.raises(TargetError) as caught:
+        parse_host_port("x" * 50_000)
+    assert len(str(caught.value)) < 200

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import orjson
 
-from pdproc.openai import ErrorKind, ErrorReply, error_body
+from pdproc.errors import ErrorKind, ErrorReply, error_body
 
 
 def test_error_body_has_llm_d_shape_and_key_order() -> None:

@@ -1,4 +1,4 @@
-"""OpenAI-style error bodies, in the shape llm-d's sidecar answers with.
+"""The error replies pdproc answers with itself: OpenAI-style bodies, in llm-d's shape.
 
 Keys and their order follow llm-d (`object, message, type, param, code`, `param` an empty
 string) so clients written against llm-d see the same bytes.
@@ -22,7 +22,7 @@ class ErrorKind(Enum):
     PREFILL_FAILED = "prefill_failed"
     PREFILL_TIMEOUT = "prefill_timeout"
     PREFILL_UNAVAILABLE = "prefill_unavailable"
-    SHUTTING_DOWN = "shutting_down"
+    OVERLOADED = "overloaded"
     INTERNAL = "internal_error"
 
 
@@ -35,7 +35,7 @@ _STATUS: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.PREFILL_FAILED: (502, "BadGateway"),
     ErrorKind.PREFILL_TIMEOUT: (504, "GatewayTimeout"),
     ErrorKind.PREFILL_UNAVAILABLE: (503, "ServiceUnavailable"),
-    ErrorKind.SHUTTING_DOWN: (503, "ServiceUnavailable"),
+    ErrorKind.OVERLOADED: (503, "ServiceUnavailable"),
     ErrorKind.INTERNAL: (500, "InternalServerError"),
 }
 
@@ -63,3 +63,11 @@ def error_body(message: str, error_type: str, code: int) -> bytes:
     return orjson.dumps(
         {"object": "error", "message": message, "type": error_type, "param": "", "code": code}
     )
+
+
+def shown(value: str, limit: int = 64) -> str:
+    """A client- or pod-supplied value as it may appear in an answer or a log line: quoted
+    and cut short, so nobody can make pdproc echo (or log) kilobytes of their choosing."""
+    if len(value) <= limit:
+        return repr(value)
+    return repr(value[:limit]) + f"... ({len(value)} chars)"

@@ -1,0 +1,175 @@
+"""Envoy's ext_proc messages, read and written: pure functions and constant answers.
+
+Everything pdproc says to Envoy is built here and nowhere else. The rules Envoy enforces
+(docs/envoy-rules.md): header values go in `raw_value`; a body mutation with the request
+headers still held sets `content-length`; modes in a `mode_override` are absolute.
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3.http_status_pb2 import HttpStatus
+
+from pdproc.errors import ErrorReply
+from pdproc.targets import PREFILL_HEADER
+
+Response: TypeAlias = pb.ProcessingResponse
+
+_OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_STRIP_PREFILL_HEADER = pb.HeaderMutation(remove_headers=[PREFILL_HEADER])
+
+# Single-message mode: what Envoy sends as request_attributes instead of a headers message
+# (`pdproc envoy-config --single-message` lists exactly these), and the metadata namespace
+# where a header_to_metadata filter puts the endpoint picker's prefill header.
+ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
+ATTRIBUTE_HEADERS = ("authorization", "traceparent", "tracestate", "baggage")
+REQUEST_ATTRIBUTES = (
+    "request.path",
+    "request.method",
+    "request.id",
+    *(f"request.headers['{name}']" for name in ATTRIBUTE_HEADERS),
+)
+METADATA_NAMESPACE = "pdproc"
+METADATA_PREFILL_KEY = "prefiller"
+# Body answers for a body pdproc has checked carry this mark, so a rule after ext_proc can
+# refuse client-chosen kv_transfer_params on requests pdproc never saw (it failed open).
+METADATA_CHECKED_KEY = "body_checked"
+
+
+def _checked_mark() -> pb.ProcessingResponse:
+    response = pb.ProcessingResponse()
+    response.dynamic_metadata.update({METADATA_NAMESPACE: {METADATA_CHECKED_KEY: True}})
+    return response
+
+
+_CHECKED = _checked_mark().dynamic_metadata
+
+# Answers that never change, built once.
+CONTINUE_REQUEST_HEADERS = Response(
+    request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=_STRIP_PREFILL_HEADER)
+    )
+)
+# Not P/D: stop buffering the body and skip the response phase (needs allow_mode_override).
+PASS_THROUGH_HEADERS = Response(
+    request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=_STRIP_PREFILL_HEADER)
+    ),
+    mode_override=ProcessingMode(
+        request_body_mode=ProcessingMode.NONE, response_header_mode=ProcessingMode.SKIP
+    ),
+)
+# A P/D-path request served by the decode alone: its body is still checked, but it needs no
+# response phase.
+CHECK_BODY_ONLY_HEADERS = Response(
+    request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=_STRIP_PREFILL_HEADER)
+    ),
+    mode_override=ProcessingMode(
+        request_body_mode=ProcessingMode.BUFFERED, response_header_mode=ProcessingMode.SKIP
+    ),
+)
+CONTINUE_REQUEST_BODY = Response(request_body=pb.BodyResponse())
+CHECKED_REQUEST_BODY = Response(request_body=pb.BodyResponse(), dynamic_metadata=_CHECKED)
+CONTINUE_RESPONSE_HEADERS = Response(response_headers=pb.HeadersResponse())
+CONTINUE_RESPONSE_BODY = Response(response_body=pb.BodyResponse())
+CONTINUE_REQUEST_TRAILERS = Response(request_trailers=pb.TrailersResponse())
+CONTINUE_RESPONSE_TRAILERS = Response(response_trailers=pb.TrailersResponse())
+
+# The answer that lets any message pass unchanged, by kind.
+CONTINUE = {
+    "request_headers": CONTINUE_REQUEST_HEADERS,
+    "request_body": CONTINUE_REQUEST_BODY,
+    "response_headers": CONTINUE_RESPONSE_HEADERS,
+    "response_body": CONTINUE_RESPONSE_BODY,
+    "request_trailers": CONTINUE_REQUEST_TRAILERS,
+    "response_trailers": CONTINUE_RESPONSE_TRAILERS,
+}
+
+
+def immediate(reply: ErrorReply) -> Response:
+    """Answer the request in Envoy's place; Envoy cancels whatever is upstream."""
+    return Response(
+        immediate_response=pb.ImmediateResponse(
+            status=HttpStatus(code=reply.status),
+            headers=pb.HeaderMutation(
+                set_headers=[
+                    _header("content-type", b"application/json"),
+                    _header("x-pdproc-error", reply.kind.value.encode()),
+                ]
+            ),
+            body=reply.body(),
+            details=f"pdproc_{reply.kind.value}",
+        )
+    )
+
+
+def body_response(body: bytes, *, content_length: bool) -> Response:
+    """The rewritten body. With the request headers still held by Envoy, content-length must
+    change with it; in single-message mode they are gone upstream already and Envoy sends
+    the body chunked."""
+    # Filled in place: nesting constructors would copy a megabyte body once per level.
+    response = Response()
+    common = response.request_body.response
+    if content_length:
+        length = str(len(body)).encode()
+        common.header_mutation.set_headers.append(_header("content-length", length))
+    common.body_mutation.body = body
+    response.dynamic_metadata.CopyFrom(_CHECKED)
+    return response
+
+
+def hold(seconds: float) -> Response:
+    """Give pdproc `seconds` (instead of the filter's message_timeout) to answer the message
+    Envoy is waiting on. Envoy honours only the first such request per message."""
+    response = Response()
+    whole = int(seconds)
+    response.override_message_timeout.seconds = whole
+    response.override_message_timeout.nanos = int((seconds - whole) * 1e9)
+    return response
+
+
+def _header(key: str, value: bytes) -> HeaderValueOption:
+    return HeaderValueOption(header=HeaderValue(key=key, raw_value=value), append_action=_OVERWRITE)
+
+
+def header_dict(headers: pb.HttpHeaders) -> dict[str, str]:
+    """Envoy's header list as a dict; repeated names are joined with a comma (RFC 9110)."""
+    out: dict[str, str] = {}
+    for h in headers.headers.headers:
+        value = h.raw_value.decode("latin-1") if h.raw_value else h.value
+        out[h.key] = f"{out[h.key]},{value}" if h.key in out else value
+    return out
+
+
+def headers_from_attributes(request: pb.ProcessingRequest) -> dict[str, str] | None:
+    """The headers pdproc needs, rebuilt from the attributes and metadata Envoy sent with
+    the body message; None when there are none (the filter is in two-message mode)."""
+    attributes = request.attributes.get(ATTRIBUTES_KEY)
+    if attributes is None or "request.path" not in attributes.fields:
+        return None
+    fields = attributes.fields
+    headers = {":path": fields["request.path"].string_value}
+    if "request.method" in fields:
+        headers[":method"] = fields["request.method"].string_value
+    if "request.id" in fields:
+        headers["x-request-id"] = fields["request.id"].string_value
+    for name, expression in zip(ATTRIBUTE_HEADERS, REQUEST_ATTRIBUTES[3:], strict=True):
+        if expression in fields:
+            headers[name] = fields[expression].string_value
+    metadata = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
+    if metadata is not None and METADATA_PREFILL_KEY in metadata.fields:
+        headers[PREFILL_HEADER] = metadata.fields[METADATA_PREFILL_KEY].string_value
+    return headers
+
+
+def status_of(headers: pb.HttpHeaders) -> str:
+    """The `:status` of a response headers message ("" when absent)."""
+    for h in headers.headers.headers:
+        if h.key == ":status":
+            return str(h.raw_value.decode("latin-1") if h.raw_value else h.value)
+    return ""

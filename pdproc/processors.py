@@ -1,0 +1,325 @@
+"""Per-request processors: one method per ext_proc phase, each returning its answer.
+
+The stream picks one processor per request when the request's headers arrive:
+
+- `PassThrough` (a null object): not a P/D request; Envoy stops sending anything more.
+- `Rejected`: refused at the door (bad prefill header, forbidden target, pod known down).
+- `DecodeOnly`: a P/D path served by the decode alone (no prefill target, draining, or
+  `--on-bootstrap-error decode-only`); its body is still checked.
+- `Disaggregated`: the P/D pair; the connector builds both legs, the prefill is launched
+  and the decode's response headers wait for its outcome.
+
+Every request ends in exactly one outcome, counted by its `RequestContext`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from opentelemetry.trace import Span
+
+from pdproc import envoy_messages as msg
+from pdproc.breaker import POD_DOWN
+from pdproc.config import BootstrapPolicy
+from pdproc.connectors import ClientRequest, EngineMap
+from pdproc.connectors.mooncake import BootstrapError
+from pdproc.errors import ErrorKind, ErrorReply
+from pdproc.prefill import PrefillJob, PrefillOutcome
+from pdproc.request_body import BodyError, parse_body
+from pdproc.targets import HostPort
+from pdproc.telemetry import ATTR_OUTCOME, ATTR_TARGET, fail, trace_fields
+
+if TYPE_CHECKING:
+    from pdproc.service import ExtProcService
+
+log = logging.getLogger(__name__)
+
+BODY_LOG_BYTES = 4096
+_OVERLOADED = ErrorReply(
+    ErrorKind.OVERLOADED, "too many request bytes in flight at this gateway; retry later"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """An answer that comes later: `now` (if any) is written at once, `later` when ready."""
+
+    now: msg.Response | None
+    later: Awaitable[msg.Response]
+
+
+Answer: TypeAlias = "msg.Response | Deferred"
+Abort = Callable[[msg.Response], None]
+
+
+class RequestContext:
+    """What every processor of one request shares: who it is, its span, its one outcome."""
+
+    def __init__(
+        self,
+        service: ExtProcService,
+        headers: Mapping[str, str],
+        path: str,
+        span: Span | None,
+        *,
+        single_message: bool,
+    ) -> None:
+        self.service = service
+        self.headers = headers
+        self.path = path
+        self.span = span
+        self.single_message = single_message
+        self.request_id = headers.get("x-request-id", "")
+        self._counted = False
+
+    def finish(self, outcome: str) -> None:
+        """Count the request's outcome, once."""
+        if self._counted:
+            return
+        self._counted = True
+        self.service.count(self.path, outcome)
+        if self.span is not None and self.span.is_recording():
+            self.span.set_attribute(ATTR_OUTCOME, outcome)
+
+    def log_fields(self, **more: Any) -> dict[str, Any]:
+        return {"request_id": self.request_id, "path": self.path, **trace_fields(self.span), **more}
+
+    def reject(self, reply: ErrorReply) -> msg.Response:
+        """Answer the request in Envoy's place; the request ends here and is counted here."""
+        self.finish(reply.kind.value)
+        fail(self.span, reply.message)
+        log.warning(
+            "request rejected: %s",
+            reply.message,
+            extra=self.log_fields(outcome=reply.kind.value, status=reply.status),
+        )
+        return msg.immediate(reply)
+
+    def close(self) -> None:
+        if self.span is not None:
+            self.span.end()
+
+
+class RequestProcessor(Protocol):
+    context: RequestContext
+
+    def request_headers(self) -> Answer: ...
+
+    async def request_body(self, body: pb.HttpBody) -> Answer: ...
+
+    def response_headers(self, headers: pb.HttpHeaders) -> Answer: ...
+
+    def close(self) -> None: ...
+
+
+class PassThrough:
+    """Not a P/D request: let everything through, and have Envoy send nothing more."""
+
+    def __init__(self, context: RequestContext) -> None:
+        self.context = context
+        context.finish("passthrough")
+
+    def request_headers(self) -> Answer:
+        return msg.PASS_THROUGH_HEADERS
+
+    async def request_body(self, body: pb.HttpBody) -> Answer:
+        return msg.CONTINUE_REQUEST_BODY
+
+    def response_headers(self, headers: pb.HttpHeaders) -> Answer:
+        return msg.CONTINUE_RESPONSE_HEADERS
+
+    def close(self) -> None:
+        self.context.close()
+
+
+class Rejected(PassThrough):
+    """Refused before its body was read (in single-message mode: when it arrives)."""
+
+    def __init__(self, context: RequestContext, reply: ErrorReply) -> None:
+        self.context = context
+        self._reply = reply
+
+    def request_headers(self) -> Answer:
+        return self.context.reject(self._reply)
+
+    async def request_body(self, body: pb.HttpBody) -> Answer:
+        return self.context.reject(self._reply)
+
+
+class _BodyChecks:
+    """The checks every P/D-path body passes before anything is done with it."""
+
+    context: RequestContext
+
+    def _checked(self, body: pb.HttpBody) -> ClientRequest | ErrorReply:
+        service = self.context.service
+        if not body.end_of_stream:
+            # Only BUFFERED delivers the whole body at once; a partial body means it outgrew
+            # Envoy's buffer (BUFFERED_PARTIAL) and cannot be checked or rewritten.
+            return ErrorReply(ErrorKind.TOO_LARGE, "request body too large to buffer")
+        raw = body.body
+        limit = service.settings.max_body_bytes
+        if len(raw) > limit:
+            return ErrorReply(ErrorKind.TOO_LARGE, f"request body exceeds {limit} bytes")
+        try:
+            return ClientRequest(self.context.path, raw, parse_body(raw))
+        except BodyError as exc:
+            return ErrorReply(ErrorKind.BAD_REQUEST, str(exc))
+
+
+class DecodeOnly(_BodyChecks, PassThrough):
+    """A P/D path the decode serves alone; the body is still checked (no client params)."""
+
+    def __init__(self, context: RequestContext, outcome: str, reason: str | None = None) -> None:
+        self.context = context
+        self._outcome = outcome
+        self._reason = reason
+
+    def request_headers(self) -> Answer:
+        return msg.CHECK_BODY_ONLY_HEADERS
+
+    async def request_body(self, body: pb.HttpBody) -> Answer:
+        with self.context.service.body_budget(len(body.body)) as admitted:
+            checked = self._checked(body) if admitted else _OVERLOADED
+            if isinstance(checked, ErrorReply):
+                return self.context.reject(checked)
+            return self.served_alone()
+
+    def served_alone(self) -> msg.Response:
+        if self._reason is not None:
+            log.warning(
+                "decode-only fallback: %s",
+                self._reason,
+                extra=self.context.log_fields(outcome=self._outcome),
+            )
+        self.context.finish(self._outcome)
+        return msg.CHECKED_REQUEST_BODY
+
+
+class Disaggregated(_BodyChecks):
+    """The P/D pair: prefill launched by pdproc, decode carried by Envoy."""
+
+    def __init__(self, context: RequestContext, target: HostPort, abort: Abort) -> None:
+        self.context = context
+        self._target = target
+        self._abort = abort
+        self._job: PrefillJob | None = None
+        self._response_seen = False
+        self._busy_s = 0.0
+        if context.span is not None:
+            context.span.set_attribute(ATTR_TARGET, str(target))
+
+    def request_headers(self) -> Answer:
+        started = time.perf_counter()
+        service = self.context.service
+        if service.connector.uses_engines:
+            # Overlap a cache miss with Envoy sending the body.
+            service.engines.prefetch(self._target, self.context.span)
+        self._busy_s += time.perf_counter() - started
+        return msg.CONTINUE_REQUEST_HEADERS
+
+    async def request_body(self, body: pb.HttpBody) -> Answer:
+        with self.context.service.body_budget(len(body.body)) as admitted:
+            return await self._disaggregate(body) if admitted else self.context.reject(_OVERLOADED)
+
+    async def _disaggregate(self, body: pb.HttpBody) -> Answer:
+        started = time.perf_counter()
+        service = self.context.service
+        checked = self._checked(body)
+        if isinstance(checked, ErrorReply):
+            return self.context.reject(checked)
+        engines: EngineMap | None = None
+        if service.connector.uses_engines:
+            try:
+                engines = await service.engines.get(self._target, self.context.span)
+            except BootstrapError as exc:
+                service.breakers.record(self._target, POD_DOWN if exc.pod_down else "bootstrap")
+                return self._without_prefill(ErrorReply(ErrorKind.BOOTSTRAP, str(exc)))
+        busy = service.launcher.in_flight_by_rank(self._target)
+        try:
+            legs = service.connector.legs(checked, self._target, engines, busy)
+        except BodyError as exc:
+            return self.context.reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
+        excerpt = {}
+        if service.settings.log_bodies:
+            excerpt["body"] = checked.raw[:BODY_LOG_BYTES].decode("utf-8", "replace")
+        job = self._job = service.launcher.launch(
+            target=self._target,
+            legs=legs,
+            path=self.context.path,
+            client_headers=self.context.headers,
+            parent_span=self.context.span,
+            log_fields=excerpt,
+        )
+        if self.context.span is not None:
+            for key, value in legs.facts.items():
+                self.context.span.set_attribute(f"pdproc.{key}", value)
+        job.outcome.add_done_callback(self._prefill_done)
+        self._busy_s += time.perf_counter() - started
+        service.metrics.processing_seconds.observe(self._busy_s)
+        return msg.body_response(legs.decode_body, content_length=not self.context.single_message)
+
+    def _without_prefill(self, reply: ErrorReply) -> Answer:
+        """No prefill can serve this request: reject it, or let the decode do it alone."""
+        if self.context.service.settings.on_bootstrap_error is BootstrapPolicy.REJECT:
+            return self.context.reject(reply)
+        return DecodeOnly(self.context, "decode_only", reply.message).served_alone()
+
+    def _prefill_done(self, outcome: asyncio.Future[PrefillOutcome]) -> None:
+        """Count the request; a failure seen before the decode answered aborts it at once."""
+        result = outcome.result()
+        self.context.finish("pd" if result.ok else prefill_error(result).kind.value)
+        if not result.ok and not self._response_seen:
+            self._abort(self._aborted(result, "before_response"))
+
+    def response_headers(self, headers: pb.HttpHeaders) -> Answer:
+        self._response_seen = True
+        job = self._job
+        if job is None:
+            return msg.CONTINUE_RESPONSE_HEADERS
+        status = msg.status_of(headers)
+        if status.startswith("5"):
+            # A decode 5xx may be a stale engine id (the prefill pod restarted): re-query.
+            self.context.service.engines.invalidate(job.target)
+        if job.outcome.done():
+            return self._settled(job.outcome.result(), "before_response")
+        if not status.startswith("2"):
+            # The decode failed on its own: the client sees its error; the prefill carries on.
+            return msg.CONTINUE_RESPONSE_HEADERS
+        launcher = self.context.service.launcher
+        remaining = launcher.timeout_s - (time.perf_counter() - job.started)
+        ceiling = self.context.service.settings.envoy_max_message_timeout
+        # One override sized for the whole hold: Envoy honours only the first per message.
+        return Deferred(msg.hold(min(max(remaining, 0.0) + 1.0, ceiling)), self._held(job))
+
+    async def _held(self, job: PrefillJob) -> msg.Response:
+        started = time.perf_counter()
+        outcome = await asyncio.shield(job.outcome)
+        self.context.service.metrics.hold_seconds.observe(time.perf_counter() - started)
+        return self._settled(outcome, "held")
+
+    def _settled(self, outcome: PrefillOutcome, when: str) -> msg.Response:
+        if outcome.ok:
+            return msg.CONTINUE_RESPONSE_HEADERS
+        return self._aborted(outcome, when)
+
+    def _aborted(self, outcome: PrefillOutcome, when: str) -> msg.Response:
+        """The one abort path: the decode is cancelled and the client gets the error."""
+        self.context.service.metrics.aborts.labels(when).inc()
+        fail(self.context.span, outcome.error or outcome.outcome)
+        return msg.immediate(prefill_error(outcome))
+
+    def close(self) -> None:
+        self.context.close()
+
+
+def prefill_error(outcome: PrefillOutcome) -> ErrorReply:
+    if outcome.outcome == "timeout":
+        return ErrorReply(ErrorKind.PREFILL_TIMEOUT, f"prefill timed out: {outcome.error}")
+    return ErrorReply(ErrorKind.PREFILL_FAILED, f"prefill failed: {outcome.error}")

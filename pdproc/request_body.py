@@ -1,0 +1,128 @@
+"""The client's JSON body: parsed once, checked, and rewritten for either leg.
+
+Pure functions, no I/O. The body is client input: anything it can hold (deep nesting,
+numbers no double can carry, a `kv_transfer_params` of its own) is either carried exactly
+or refused with a BodyError whose message is fit for a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+KV_PARAMS = "kv_transfer_params"
+
+
+class BodyError(ValueError):
+    """The client's body cannot be carried to both legs as it is."""
+
+
+# An integer literal of 19+ digits may not fit orjson's 64-bit integers: it would become a
+# float on the prefill leg while the decode keeps it. Only bodies with such a run take the
+# exact (slower) check; a prompt that merely contains one passes it. (orjson itself refuses
+# floats that overflow a double.)
+_SUSPECT_NUMBER = re.compile(rb"[0-9]{19}")
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The client's request as a JSON object, or BodyError with a message for the client."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BodyError(f"invalid JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise BodyError(f"request body must be a JSON object, not {type(data).__name__}")
+    if KV_PARAMS in data:
+        # Only the gateway may point a decode pod at a KV source: a client's own params
+        # could aim it at any address.
+        raise BodyError(f"{KV_PARAMS} is set by the gateway, not by clients")
+    if _SUSPECT_NUMBER.search(raw):
+        _check_numbers(raw)
+    return data
+
+
+def _check_numbers(raw: bytes) -> None:
+    """Refuse numbers that orjson (the prefill leg) would not carry exactly."""
+
+    def exact_int(text: str) -> int:
+        value = int(text)
+        if not _INT_MIN <= value <= _INT_MAX:
+            raise BodyError(f"integer {text[:24]}... does not fit in 64 bits")
+        return value
+
+    try:
+        json.loads(raw, parse_int=exact_int)
+    except RecursionError:
+        raise BodyError("request body is nested too deeply") from None
+    except ValueError as exc:  # BodyError, or the stdlib's view of an orjson-valid body
+        if isinstance(exc, BodyError):
+            raise
+        raise BodyError(f"invalid JSON body: {exc}") from None
+
+
+def dumps(data: Mapping[str, Any]) -> bytes:
+    """Serialise a body pdproc built; BodyError when the client's nesting is too deep."""
+    try:
+        return orjson.dumps(data)
+    except TypeError as exc:  # orjson: "Recursion limit reached"
+        raise BodyError(f"request body cannot be forwarded: {exc}") from None
+
+
+def with_field(raw: bytes, parsed: Mapping[str, Any], key: str, value: Any) -> bytes:
+    """The client's bytes with one top-level field appended, no re-serialisation.
+
+    `key` must not be in `parsed`. A prompt may be megabytes long: it is copied once and its
+    numbers keep their exact spelling."""
+    # parse_body proved the last non-blank byte is "}": cut there, copy the prompt once.
+    cut = _last_non_blank(raw, len(raw)) - 1
+    cut = _last_non_blank(raw, cut)
+    tail = (b"," if parsed else b"") + orjson.dumps(key) + b":" + orjson.dumps(value) + b"}"
+    return b"".join((memoryview(raw)[:cut], tail))
+
+
+_JSON_BLANKS = b" \t\r\n"
+
+
+def _last_non_blank(raw: bytes, end: int) -> int:
+    """The end index of `raw[:end]` without trailing JSON whitespace."""
+    while end > 0 and raw[end - 1] in _JSON_BLANKS:
+        end -= 1
+    return end
+
+
+def prime_single_token(path: str, target: dict[str, Any], original: Mapping[str, Any]) -> None:
+    """Make `target` a request vLLM finishes length-capped after one token, in place.
+
+    vLLM's KV producers ship the KV only when the request finishes length-capped; any other
+    end (a stop string, EOS as the first token, a rejected request) silently drops it and
+    the decode waits for KV that never comes. The llm-d rules come first (max_tokens=1,
+    max_completion_tokens=1 only if the client had it, stream off, no stream_options); the
+    rest closes what llm-d leaves open.
+    """
+    target["max_tokens"] = 1
+    if "max_completion_tokens" in original:
+        target["max_completion_tokens"] = 1
+    target["stream"] = False
+    target.pop("stream_options", None)
+    # A second token, a second sequence or an early stop would each keep the request from
+    # ending length-capped (vLLM rejects min_tokens > max_tokens outright).
+    for field in ("min_tokens", "best_of", "stop", "stop_token_ids"):
+        target.pop(field, None)
+    if "n" in target:
+        target["n"] = 1
+    target["ignore_eos"] = True
+    if path.endswith("/responses"):
+        target["max_output_tokens"] = 1
+    sampling = target.get("sampling_params")
+    if path.endswith("/generate") and isinstance(sampling, dict):
+        primed = {**sampling, "max_tokens": 1, "ignore_eos": True}
+        for field in ("min_tokens", "stop", "stop_token_ids"):
+            primed.pop(field, None)
+        if "n" in primed:
+            primed["n"] = 1
+        target["sampling_params"] = primed

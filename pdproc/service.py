@@ -1,0 +1,163 @@
+"""The ext_proc gRPC service: what all streams share, and the choice of a processor.
+
+One `ExtProcService` per process holds the settings, the engine-id cache, the prefill
+launcher, the breakers and the metrics. Each gRPC stream is one HTTP request; when its
+headers arrive the service decides what the request is (`open_request`) and returns the
+processor that answers it (see processors.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from pdproc.bootstrap import EngineMaps
+from pdproc.breaker import CircuitBreakers
+from pdproc.config import BootstrapPolicy, Settings
+from pdproc.connectors import Connector
+from pdproc.discovery import DnsPool
+from pdproc.errors import ErrorKind, ErrorReply
+from pdproc.metrics import Metrics
+from pdproc.picker import BadRequest, Chosen, Forbidden, NoTarget, Unavailable, pick_target
+from pdproc.prefill import INTERNAL, PrefillJob, PrefillLauncher, PrefillOutcome
+from pdproc.processors import (
+    Abort,
+    DecodeOnly,
+    Disaggregated,
+    PassThrough,
+    Rejected,
+    RequestContext,
+    RequestProcessor,
+)
+from pdproc.stream import ServicerContext, Stream
+from pdproc.targets import PREFILL_HEADER, HostPort
+from pdproc.telemetry import Tracing
+
+log = logging.getLogger(__name__)
+
+
+class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(
+        self,
+        settings: Settings,
+        connector: Connector,
+        engines: EngineMaps,
+        launcher: PrefillLauncher,
+        breakers: CircuitBreakers,
+        metrics: Metrics,
+        tracing: Tracing | None = None,
+        dns_pool: DnsPool | None = None,
+    ) -> None:
+        self.settings = settings
+        self.connector = connector
+        self.engines = engines
+        self.launcher = launcher
+        self.breakers = breakers
+        self.metrics = metrics
+        self.tracing = tracing or Tracing(None)
+        self.dns_pool = dns_pool
+        self._static_pool = frozenset(settings.prefill)
+        self.draining = False  # shutting down: no new prefills, the decode serves alone
+        self._outcome_counters: dict[tuple[str, str], Any] = {}
+        self._body_bytes = 0
+        launcher.set_hook(self.on_prefill_outcome)
+
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: ServicerContext,
+    ) -> None:
+        stream = Stream(self, context)
+        gauge = self.metrics.streams_active
+        gauge.inc()
+        try:
+            await stream.run()
+        finally:
+            gauge.dec()
+            stream.close()
+
+    def open_request(
+        self,
+        headers: dict[str, str],
+        end_of_stream: bool,
+        *,
+        single_message: bool,
+        call_metadata: Mapping[str, str],
+        abort: Abort,
+    ) -> RequestProcessor:
+        """What this request is, decided from its headers."""
+        path = headers.get(":path", "").split("?", 1)[0]
+        method = headers.get(":method", "")
+        span = self.tracing.request_span(headers, path, method, call_metadata)
+        context = RequestContext(self, headers, path, span, single_message=single_message)
+        if end_of_stream or method != "POST" or path not in self.settings.pd_path:
+            return PassThrough(context)
+        if self.draining:
+            return DecodeOnly(context, "passthrough")
+        pick = pick_target(
+            headers.get(PREFILL_HEADER),
+            self.pool(),
+            allow=self.settings.prefill_allow,
+            in_pool=self.is_pool_member,
+            breaker_allows=self.breakers.allow,
+            in_flight=self.launcher.in_flight,
+        )
+        match pick:
+            case Chosen(target):
+                return Disaggregated(context, target, abort)
+            case NoTarget():
+                return DecodeOnly(context, "passthrough")
+            case Unavailable(reason):
+                if self.settings.on_bootstrap_error is BootstrapPolicy.DECODE_ONLY:
+                    return DecodeOnly(context, "decode_only", reason)
+                return Rejected(context, ErrorReply(ErrorKind.PREFILL_UNAVAILABLE, reason))
+            case Forbidden(reason):
+                return Rejected(context, ErrorReply(ErrorKind.FORBIDDEN, reason))
+            case BadRequest(reason):
+                return Rejected(context, ErrorReply(ErrorKind.BAD_REQUEST, reason))
+
+    @contextlib.contextmanager
+    def body_budget(self, size: int) -> Iterator[bool]:
+        """Hold `size` request-body bytes while a body is processed; False (and nothing
+        held) when that would pass --max-inflight-bytes."""
+        if self._body_bytes + size > self.settings.max_inflight_bytes and self._body_bytes:
+            yield False
+            return
+        self._body_bytes += size
+        self.metrics.bodies_bytes.set(self._body_bytes)
+        try:
+            yield True
+        finally:
+            self._body_bytes -= size
+            self.metrics.bodies_bytes.set(self._body_bytes)
+
+    def count(self, path: str, outcome: str) -> None:
+        key = (path if path in self.settings.pd_path else "other", outcome)
+        counter = self._outcome_counters.get(key)
+        if counter is None:
+            counter = self._outcome_counters[key] = self.metrics.requests.labels(*key)
+        counter.inc()
+
+    def pool(self) -> tuple[HostPort, ...]:
+        """Operator-given prefill pods: the static pool plus what DNS currently resolves to."""
+        if self.dns_pool is None:
+            return self.settings.prefill
+        return self.settings.prefill + self.dns_pool.members
+
+    def is_pool_member(self, target: HostPort) -> bool:
+        return target in self._static_pool or (
+            self.dns_pool is not None and target in self.dns_pool.members
+        )
+
+    def on_prefill_outcome(self, job: PrefillJob, outcome: PrefillOutcome) -> None:
+        if outcome.outcome == INTERNAL:
+            return  # pdproc's own failure says nothing about the pod
+        self.breakers.record(job.target, outcome.outcome)
+        if not outcome.ok:
+            # The pod may have restarted with new engine ids: ask again next time.
+            self.engines.invalidate(job.target)

@@ -1,0 +1,163 @@
+"""One ext_proc stream (one HTTP request): phases, one answer per message, one writer.
+
+Envoy sends the request headers, the buffered body and the decode's response headers, in
+that order, and waits for exactly one answer to each, in order. The stream tracks which of
+those it is waiting for (`Phase`), hands each message to the request's processor
+(pass-through, decode-only, rejected or disaggregated: chosen when the request's headers
+arrive) and writes what the processor returns. A processor may defer an answer (the hold
+on the decode's response headers) or end the request early (an unsolicited immediate
+response when the prefill fails); both go through `_write`, the only place that writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from enum import Enum
+from typing import TYPE_CHECKING, TypeAlias
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from pdproc import envoy_messages as msg
+from pdproc.errors import ErrorKind, ErrorReply
+from pdproc.processors import Deferred, RequestProcessor
+
+if TYPE_CHECKING:
+    from pdproc.service import ExtProcService
+
+log = logging.getLogger(__name__)
+
+ServicerContext: TypeAlias = (
+    "grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse]"
+)
+
+
+class Phase(Enum):
+    """What the stream waits for next."""
+
+    REQUEST_HEADERS = "request_headers"  # (or, in single-message mode, the body)
+    REQUEST_BODY = "request_body"
+    RESPONSE_HEADERS = "response_headers"
+    RESPONSE = "response"  # past the response headers: only trailing messages remain
+    DONE = "done"  # an immediate response went out: Envoy is closing the stream
+
+
+class Stream:
+    def __init__(self, service: ExtProcService, context: ServicerContext) -> None:
+        self._service = service
+        self._context = context
+        self.phase = Phase.REQUEST_HEADERS
+        self._processor: RequestProcessor | None = None
+        self._write_lock = asyncio.Lock()
+        self._later: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        while True:
+            message = await self._context.read()
+            if message is grpc.aio.EOF:
+                return  # Envoy resets the stream right after: leave now
+            if self.phase is Phase.DONE:
+                continue  # the whole request is answered; nothing more is expected
+            try:
+                answer = await self._answer(message)
+            except Exception:
+                # A bug must not turn into a gRPC error (a bare 500, or with fail-open a
+                # request silently not disaggregated): answer it, log it, count it.
+                log.exception("ext_proc message handling failed")
+                reply = ErrorReply(ErrorKind.INTERNAL, "internal error in pdproc")
+                if self._processor is not None:
+                    answer = self._processor.context.reject(reply)
+                else:
+                    answer = msg.immediate(reply)
+            await self._deliver(answer)
+
+    def close(self) -> None:
+        if self._later is not None and not self._later.done():
+            self._later.cancel()  # the client left; the prefill itself carries on
+        if self._processor is not None:
+            self._processor.close()
+
+    async def _answer(self, message: pb.ProcessingRequest) -> msg.Response | Deferred:
+        kind = message.WhichOneof("request")
+        processor = self._processor
+        if kind == "request_headers":
+            if self.phase is not Phase.REQUEST_HEADERS or processor is not None:
+                log.warning("duplicate request headers message; answered without processing")
+                return msg.CONTINUE_REQUEST_HEADERS
+            headers = msg.header_dict(message.request_headers)
+            end = message.request_headers.end_of_stream
+            processor = self._open(headers, end, single_message=False)
+            self.phase = Phase.RESPONSE_HEADERS if end else Phase.REQUEST_BODY
+            return processor.request_headers()
+        if kind == "request_body":
+            if processor is None and self.phase is Phase.REQUEST_HEADERS:
+                # Single-message mode (request headers SKIP): the headers came as attributes.
+                attributes = msg.headers_from_attributes(message)
+                if attributes is None:
+                    return msg.CONTINUE_REQUEST_BODY  # a body before any headers
+                processor = self._open(attributes, False, single_message=True)
+                self.phase = Phase.REQUEST_BODY
+            if processor is None or self.phase is not Phase.REQUEST_BODY:
+                return msg.CONTINUE_REQUEST_BODY  # a repeated end_of_stream
+            if message.request_body.end_of_stream:
+                self.phase = Phase.RESPONSE_HEADERS
+            return await processor.request_body(message.request_body)
+        if kind == "response_headers":
+            self.phase = Phase.RESPONSE
+            if processor is None:
+                return msg.CONTINUE_RESPONSE_HEADERS
+            return processor.response_headers(message.response_headers)
+        if kind in msg.CONTINUE:
+            return msg.CONTINUE[kind]
+        log.warning("unexpected ext_proc message %r ignored", kind)
+        return msg.CONTINUE_REQUEST_BODY
+
+    def _open(
+        self, headers: dict[str, str], end_of_stream: bool, *, single_message: bool
+    ) -> RequestProcessor:
+        metadata = {
+            key: value
+            for key, value in self._context.invocation_metadata() or ()
+            if isinstance(value, str)
+        }
+        processor = self._service.open_request(
+            headers,
+            end_of_stream,
+            single_message=single_message,
+            call_metadata=metadata,
+            abort=self._abort,
+        )
+        self._processor = processor
+        return processor
+
+    def _abort(self, response: msg.Response) -> None:
+        """End the request now, unasked (the prefill failed before the decode answered)."""
+        if self.phase is Phase.RESPONSE or self.phase is Phase.DONE:
+            return
+        task = asyncio.get_running_loop().create_task(self._write(response))
+        # Held only so the task is not collected before it has written.
+        self._later = task
+
+    async def _deliver(self, answer: msg.Response | Deferred) -> None:
+        if isinstance(answer, Deferred):
+            if answer.now is not None:
+                await self._write(answer.now)
+            self._later = asyncio.get_running_loop().create_task(self._write_later(answer))
+        else:
+            await self._write(answer)
+
+    async def _write_later(self, deferred: Deferred) -> None:
+        await self._write(await deferred.later)
+
+    async def _write(self, response: msg.Response) -> None:
+        async with self._write_lock:
+            if self.phase is Phase.DONE:
+                return
+            if response.HasField("immediate_response"):
+                self.phase = Phase.DONE
+            try:
+                await self._context.write(response)
+            except (grpc.aio.AbortError, grpc.aio.UsageError, RuntimeError) as exc:
+                # Envoy already closed the stream (client gone): nothing can be answered.
+                log.debug("ext_proc write after stream end: %r", exc)
