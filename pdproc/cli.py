@@ -1,8 +1,9 @@
 """Command line: `pdproc serve | envoy-config | sim | demo` (sim and demo: pdproc-sim).
 
-Every `serve` setting is a flag, an environment variable (`PDPROC_<FLAG>`, plus vLLM's
+Every `serve` setting is a flag, an environment variable (`PDPROC_<NAME>`, plus vLLM's
 `MOONCAKE_BOOTSTRAP_PORT`) and a key of the YAML file given with `--config`; the flag wins
-over the environment, which wins over the file, which wins over the default.
+over the environment, which wins over the file, which wins over the default. The settings
+themselves are declared once, in `pdproc.config.Settings`.
 """
 
 from __future__ import annotations
@@ -11,152 +12,13 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
 from typing import Any
 
 from pdproc import __version__
-from pdproc.config import DEFAULT_PD_PATHS, BootstrapPolicy, Settings
-from pdproc.targets import AllowList, TargetError, parse_host_port
-
-
-@dataclass(frozen=True)
-class Option:
-    flag: str
-    help: str
-    default: Any
-    parse: Callable[[str], Any] = str
-    repeat: bool = False
-    env: tuple[str, ...] = ()
-    switch: bool = False  # a flag without a value (`--log-bodies`); true/false elsewhere
-
-    @property
-    def key(self) -> str:
-        return self.flag.removeprefix("--").replace("-", "_")
-
-    @property
-    def envs(self) -> tuple[str, ...]:
-        return ("PDPROC_" + self.key.upper(), *self.env)
-
-
-def _positive(value: str) -> float:
-    number = float(value)
-    if number <= 0:
-        raise ValueError(f"{value} is not positive")
-    return number
-
-
-def _port(value: str) -> int:
-    port = int(value)
-    if not 0 < port < 65536:
-        raise ValueError(f"port {value} out of range")
-    return port
-
-
-def _boolean(value: str) -> bool:
-    text = value.strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{value!r} is not a boolean")
-
-
-def _host_port(value: str) -> str:
-    parse_host_port(value)  # validate only; the string is what the server binds
-    return value
-
-
-SERVE_OPTIONS: tuple[Option, ...] = (
-    Option("--listen", "gRPC listen address of the processor.", "0.0.0.0:9002", _host_port),
-    Option("--prefill", "Static prefill pool member HOST:PORT (repeatable).", [], repeat=True),
-    Option(
-        "--prefill-dns",
-        "NAME:PORT whose A/AAAA records are all prefill pool members, re-resolved every "
-        "--dns-refresh seconds (a headless Service; repeatable).",
-        [],
-        repeat=True,
-    ),
-    Option("--dns-refresh", "Seconds between --prefill-dns resolutions.", 10.0, _positive),
-    Option(
-        "--prefill-allow",
-        "CIDR, host name or * allowed as a prefill target taken from the "
-        "x-prefiller-host-port header (repeatable). Pool members are always allowed.",
-        [],
-        repeat=True,
-    ),
-    Option(
-        "--pd-path",
-        "Request path handled as P/D (repeatable; replaces the default list).",
-        list(DEFAULT_PD_PATHS),
-        repeat=True,
-    ),
-    Option(
-        "--mooncake-bootstrap-port",
-        "Port of the prefill pods' Mooncake bootstrap server.",
-        8998,
-        _port,
-        env=("MOONCAKE_BOOTSTRAP_PORT",),
-    ),
-    Option("--bootstrap-timeout", "Bootstrap /query timeout, seconds.", 5.0, _positive),
-    Option("--engine-cache-ttl", "Lifetime of a cached engine-id map, seconds.", 60.0, _positive),
-    Option(
-        "--engine-refresh",
-        "Age after which a cached engine-id map is re-queried in the background, seconds "
-        "(0: never).",
-        5.0,
-        float,
-    ),
-    Option("--prefill-timeout", "Prefill request timeout, seconds.", 60.0, _positive),
-    Option(
-        "--envoy-max-message-timeout",
-        "The ext_proc filter's max_message_timeout, seconds (caps how long a decode's "
-        "response headers may be held).",
-        300.0,
-        _positive,
-    ),
-    Option("--max-body-bytes", "Largest request body accepted.", 16 * 1024 * 1024, int),
-    Option(
-        "--on-bootstrap-error",
-        "reject (502) or decode-only when no prefill can serve a request.",
-        "reject",
-        lambda v: BootstrapPolicy(v).value,
-    ),
-    Option("--breaker-failures", "Prefill failures in a row that open a pod's breaker.", 5, int),
-    Option(
-        "--breaker-cooldown",
-        "Longest wait of an open prefill breaker, seconds (it starts at 1 s and doubles "
-        "with each failed probe).",
-        10.0,
-        _positive,
-    ),
-    Option("--drain-timeout", "Seconds in-flight work may take after SIGTERM.", 30.0, float),
-    Option("--shutdown-delay", "Seconds to keep serving after SIGTERM (NOT_SERVING).", 2.0, float),
-    Option("--max-prefill-connections", "Connection pool size for prefill requests.", 1024, int),
-    Option("--metrics-listen", "HOST:PORT for /metrics, /healthz, /readyz.", None, _host_port),
-    Option(
-        "--workers",
-        "Processes sharing the listen port (SO_REUSEPORT), for more than one core.",
-        1,
-        int,
-    ),
-    Option("--log-level", "debug, info, warning or error.", "info"),
-    Option("--log-format", "json or text.", "json", lambda v: _choice(v, ("json", "text"))),
-    Option(
-        "--log-bodies",
-        "Add the first 4 KiB of each P/D request body (prompt text!) to its log line.",
-        False,
-        _boolean,
-        switch=True,
-    ),
-)
-
-
-def _choice(value: str, choices: Sequence[str]) -> str:
-    if value not in choices:
-        raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
-    return value
+from pdproc.config import DEFAULT_PD_PATHS, Declared, Settings, declared
+from pdproc.targets import TargetError, parse_host_port
 
 
 class ConfigError(ValueError):
@@ -165,38 +27,47 @@ class ConfigError(ValueError):
 
 def resolve(
     args: argparse.Namespace, env: Mapping[str, str], file_values: Mapping[str, Any]
-) -> dict[str, Any]:
+) -> Settings:
     """Settings by precedence: flag > environment > config file > default."""
-    known = {opt.key for opt in SERVE_OPTIONS}
-    unknown = sorted(set(file_values) - known)
+    settings = declared()
+    unknown = sorted(set(file_values) - {s.name for s in settings})
     if unknown:
         raise ConfigError(f"unknown key(s) in config file: {', '.join(unknown)}")
     values: dict[str, Any] = {}
-    for opt in SERVE_OPTIONS:
-        given = getattr(args, opt.key)
-        source: str
-        if given is not None:
-            raw: Any = given
-            source = opt.flag
-        elif any(name in env for name in opt.envs):
-            name = next(name for name in opt.envs if name in env)
-            raw = [v for v in env[name].split(",") if v.strip()] if opt.repeat else env[name]
-            source = name
-        elif opt.key in file_values:
-            raw = file_values[opt.key]
-            source = f"config key {opt.key}"
-        else:
-            values[opt.key] = opt.default
+    for setting in settings:
+        found = _given(setting, args, env, file_values)
+        if found is None:
             continue
+        raw, source = found
         try:
-            if opt.repeat:
-                items = raw if isinstance(raw, list) else [raw]
-                values[opt.key] = [opt.parse(str(item)) for item in items]
-            else:
-                values[opt.key] = opt.parse(str(raw))
+            values[setting.name] = setting.parse(raw)
         except (ValueError, TargetError) as exc:
             raise ConfigError(f"{source}: {exc}") from None
-    return values
+    try:
+        return Settings(**values)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _given(
+    setting: Declared,
+    args: argparse.Namespace,
+    env: Mapping[str, str],
+    file_values: Mapping[str, Any],
+) -> tuple[Any, str] | None:
+    """The raw value of a setting and where it came from, or None for the default."""
+    flag_value = getattr(args, setting.name, None)
+    if flag_value is not None:
+        return flag_value, setting.flag
+    for name in setting.envs:
+        if name in env:
+            text = env[name]
+            if setting.option.repeat:
+                return [v for v in text.split(",") if v.strip()], name
+            return text, name
+    if setting.name in file_values:
+        return file_values[setting.name], f"config key {setting.name}"
+    return None
 
 
 def load_config_file(path: str | None) -> dict[str, Any]:
@@ -210,38 +81,6 @@ def load_config_file(path: str | None) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-def build_settings(values: Mapping[str, Any]) -> Settings:
-    try:
-        pool = tuple(parse_host_port(v) for v in values["prefill"])
-        dns = tuple(parse_host_port(v) for v in values["prefill_dns"])
-        allow = AllowList.parse(values["prefill_allow"])
-    except TargetError as exc:
-        raise ConfigError(str(exc)) from None
-    return Settings(
-        listen=values["listen"],
-        prefill_pool=pool,
-        prefill_dns=dns,
-        dns_refresh_s=values["dns_refresh"],
-        allow=allow,
-        pd_paths=frozenset(values["pd_path"]),
-        bootstrap_port=values["mooncake_bootstrap_port"],
-        bootstrap_timeout_s=values["bootstrap_timeout"],
-        engine_cache_ttl_s=values["engine_cache_ttl"],
-        engine_refresh_s=values["engine_refresh"],
-        prefill_timeout_s=values["prefill_timeout"],
-        envoy_max_message_timeout_s=values["envoy_max_message_timeout"],
-        max_body_bytes=values["max_body_bytes"],
-        on_bootstrap_error=BootstrapPolicy(values["on_bootstrap_error"]),
-        breaker_failures=values["breaker_failures"],
-        breaker_cooldown_s=values["breaker_cooldown"],
-        drain_timeout_s=values["drain_timeout"],
-        shutdown_delay_s=values["shutdown_delay"],
-        max_prefill_connections=values["max_prefill_connections"],
-        metrics_listen=values["metrics_listen"],
-        log_bodies=values["log_bodies"],
-    )
-
-
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "serve",
@@ -251,18 +90,21 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "precedence: flag > environment > file > default.",
     )
     parser.add_argument("--config", help="YAML file of settings (keys as the flags, no dashes).")
-    for opt in SERVE_OPTIONS:
-        default = ", ".join(map(str, opt.default)) if opt.repeat else opt.default
-        help_text = f"{opt.help} [env {', '.join(opt.envs)}; default {default or 'none'}]"
-        if opt.switch:
+    for setting in declared():
+        default = setting.shown_default() or "none"
+        repeat = "; repeatable" if setting.option.repeat else ""
+        help_text = (
+            f"{setting.option.help} [env {', '.join(setting.envs)}; default {default}{repeat}]"
+        )
+        if setting.option.switch:
             parser.add_argument(
-                opt.flag, dest=opt.key, action="store_const", const="true", help=help_text
+                setting.flag, dest=setting.name, action="store_const", const="true", help=help_text
             )
             continue
         parser.add_argument(
-            opt.flag,
-            dest=opt.key,
-            action="append" if opt.repeat else "store",
+            setting.flag,
+            dest=setting.name,
+            action="append" if setting.option.repeat else "store",
             default=None,
             help=help_text,
         )
@@ -362,17 +204,16 @@ def _serve(args: argparse.Namespace) -> int:
     from pdproc.telemetry import provider_from_env
 
     try:
-        values = resolve(args, os.environ, load_config_file(args.config))
-        settings = build_settings(values)
+        settings = resolve(args, os.environ, load_config_file(args.config))
         tracer_provider = provider_from_env()
     except (ConfigError, OSError, ValueError) as exc:
         print(f"pdproc serve: {exc}", file=sys.stderr)
         return 2
-    setup_logging(values["log_level"], values["log_format"])
-    if values["workers"] > 1:
+    setup_logging(settings.log_level, settings.log_format)
+    if settings.workers > 1:
         from pdproc.workers import run_workers
 
-        return run_workers(settings, values["workers"], values["log_level"], values["log_format"])
+        return run_workers(settings)
     return run(settings, tracer_provider)
 
 
@@ -409,17 +250,3 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def settings_table() -> str:
-    """README's settings table, generated from SERVE_OPTIONS (a test keeps README current)."""
-    rows = ["| flag | environment | YAML key | default | what it does |", "|---|---|---|---|---|"]
-    for opt in SERVE_OPTIONS:
-        default = ", ".join(map(str, opt.default)) if opt.repeat else opt.default
-        envs = ", ".join(f"`{name}`" for name in opt.envs)
-        rows.append(
-            f"| `{opt.flag}` | {envs} | `{opt.key}` | `{default}` | {opt.help} |"
-            if default not in (None, "")
-            else f"| `{opt.flag}` | {envs} | `{opt.key}` | none | {opt.help} |"
-        )
-    return "\n".join(rows)

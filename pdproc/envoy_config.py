@@ -15,7 +15,7 @@ from importlib import resources
 from string import Template
 
 from pdproc.config import DEFAULT_PD_PATHS, MiB
-from pdproc.extproc import REQUEST_ATTRIBUTES
+from pdproc.envoy_messages import REQUEST_ATTRIBUTES
 from pdproc.targets import HostPort, parse_host_port
 
 _ACCESS_LOG = """\
