@@ -40,7 +40,9 @@ class BootstrapPolicy(Enum):
 class KvConnector(Enum):
     """The KV transfer protocol between the prefill and the decode pods (llm-d's names)."""
 
-    MOONCAKE = "mooncake"
+    MOONCAKE = "mooncake"  # vLLM MooncakeConnector: prefill beside the decode
+    NIXLV2 = "nixlv2"  # vLLM NixlConnector: prefill first, its answer feeds the decode
+    SGLANG = "sglang"  # SGLang disaggregation: both legs meet in a bootstrap room
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +157,7 @@ class Settings:
     )
     kv_connector: KvConnector = _setting(
         KvConnector.MOONCAKE,
-        "KV connector of the prefill and decode pods.",
+        "KV connector of the prefill and decode pods: mooncake, nixlv2 or sglang.",
         KvConnector,
     )
     mooncake_bootstrap_port: int = _setting(
@@ -163,6 +165,12 @@ class Settings:
         "Port of the prefill pods' Mooncake bootstrap server.",
         _port,
         extra_env=("MOONCAKE_BOOTSTRAP_PORT",),
+    )
+    sglang_bootstrap_port: int = _setting(
+        8998,
+        "Port of the prefill pods' SGLang bootstrap server (--kv-connector sglang).",
+        _port,
+        extra_env=("SGLANG_BOOTSTRAP_PORT",),
     )
     bootstrap_timeout: float = _setting(5.0, "Bootstrap /query timeout, seconds.", _positive)
     # Engine ids change when a prefill pod restarts; a bounded lifetime caps how long a stale

@@ -108,6 +108,23 @@ def immediate(reply: ErrorReply) -> Response:
     )
 
 
+def passed_through(status: int, body: bytes, content_type: str | None) -> Response:
+    """A pod's own (error) answer, sent to the client as it is."""
+    return Response(
+        immediate_response=pb.ImmediateResponse(
+            status=HttpStatus(code=status),
+            headers=pb.HeaderMutation(
+                set_headers=[
+                    _header("content-type", (content_type or "application/json").encode()),
+                    _header("x-pdproc-error", b"prefill_failed"),
+                ]
+            ),
+            body=body,
+            details="pdproc_prefill_answer",
+        )
+    )
+
+
 def body_response(body: bytes, *, content_length: bool) -> Response:
     """The rewritten body. With the request headers still held by Envoy, content-length must
     change with it; in single-message mode they are gone upstream already and Envoy sends

@@ -76,8 +76,8 @@ class Metrics:
         self.requests = Counter(
             "pdproc_requests",
             "Requests seen by the processor, by P/D path and outcome "
-            "(pd, passthrough, decode_only or an error kind).",
-            ["path", "outcome"],
+            "(pd, passthrough, decode_only, cancelled or an error kind) and KV connector.",
+            ["path", "outcome", "connector"],
             registry=r,
         )
         self.prefills = Counter(

@@ -23,7 +23,7 @@ from opentelemetry.trace import Span, SpanKind
 
 from pdproc.connectors import Legs
 from pdproc.metrics import Metrics
-from pdproc.pod_http import discard
+from pdproc.pod_http import discard, read_at_most
 from pdproc.targets import PREFILL_HEADER, HostPort
 from pdproc.telemetry import (
     ATTR_DURATION_MS,
@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 # reused; a pod that keeps sending is cut off.
 ERROR_EXCERPT_BYTES = 512
 MAX_SUCCESS_BODY_BYTES = 256 * 1024
+# Sequential connectors read the answer itself: the decode's params, or an error the client
+# sees as it is. Bounded all the same.
+MAX_ANSWER_BYTES = 1024 * 1024
 # Reading the rest of a successful answer never takes longer than this.
 DRAIN_TIMEOUT_S = 5.0
 
@@ -70,7 +73,9 @@ _DROP_HEADERS = frozenset(
 )
 
 # Outcomes that say nothing about the pod: never held against it.
-INTERNAL = "internal"
+INTERNAL = "internal"  # pdproc's own failure
+CANCELLED = "cancelled"  # the client left before a sequential prefill finished
+NOT_THE_POD = frozenset({INTERNAL, CANCELLED})
 
 
 def prefill_headers(
@@ -92,11 +97,15 @@ def prefill_headers(
 
 @dataclass(frozen=True, slots=True)
 class PrefillOutcome:
-    outcome: str  # 2xx | 3xx | 4xx | 5xx | timeout | connect_error | error | internal
+    # 2xx | 3xx | 4xx | 5xx | timeout | connect_error | error | internal | cancelled
+    outcome: str
     duration_s: float
     status: int | None = None
     error: str | None = None  # for the client and the log: never the pod's body
     detail: str | None = None  # the start of the pod's error body: logged with --log-bodies
+    # The answer itself, when the connector asked for it (bounded by MAX_ANSWER_BYTES).
+    answer: bytes | None = None
+    content_type: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -110,7 +119,8 @@ class PrefillJob:
     request_id: str
     path: str
     started: float
-    outcome: asyncio.Future[PrefillOutcome]  # resolved at the status line
+    outcome: asyncio.Future[PrefillOutcome]  # resolved at the status line (or the answer)
+    keep_answer: bool = False
     task: asyncio.Task[None] | None = None  # the whole exchange (bounded read included)
     span: Span | None = None
     log_fields: dict[str, Any] = field(default_factory=dict)
@@ -165,6 +175,7 @@ class PrefillLauncher:
         client_headers: Mapping[str, str],
         parent_span: Span | None = None,
         log_fields: Mapping[str, Any] | None = None,
+        keep_answer: bool = False,
     ) -> PrefillJob:
         loop = asyncio.get_running_loop()
         headers = prefill_headers(client_headers, legs.prefill_headers)
@@ -183,6 +194,7 @@ class PrefillLauncher:
             path,
             time.perf_counter(),
             loop.create_future(),
+            keep_answer=keep_answer,
             span=span,
             log_fields={**(log_fields or {}), **trace_fields(parent_span)},
         )
@@ -211,6 +223,20 @@ class PrefillLauncher:
                 )
                 async with response:
                     status = response.status
+                    if job.keep_answer and not 300 <= status < 400:
+                        answer = await read_at_most(response.content, MAX_ANSWER_BYTES)
+                        if len(answer) > MAX_ANSWER_BYTES:
+                            settle("error", status=status, error="answer too large")
+                            return
+                        kind = "2xx" if 200 <= status < 300 else f"{min(status // 100, 5)}xx"
+                        settle(
+                            kind,
+                            status=status,
+                            error=None if kind == "2xx" else f"status {status}",
+                            answer=answer,
+                            content_type=response.headers.get("content-type"),
+                        )
+                        return
                     if 200 <= status < 300:
                         settle("2xx", status=status)
                         # Read the (small) rest so the connection can be reused: bounded in
@@ -234,7 +260,7 @@ class PrefillLauncher:
         except (aiohttp.ClientError, OSError) as exc:
             settle("error", error=type(exc).__name__)
         except asyncio.CancelledError:
-            settle(INTERNAL, error="prefill cancelled")
+            settle(CANCELLED, error="prefill cancelled")
             raise
         except Exception as exc:  # a bug must still end as a counted, logged outcome
             log.exception("prefill task crashed")

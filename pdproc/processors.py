@@ -27,7 +27,7 @@ from opentelemetry.trace import Span
 from pdproc import envoy_messages as msg
 from pdproc.breaker import POD_DOWN
 from pdproc.config import BootstrapPolicy
-from pdproc.connectors import ClientRequest, EngineMap
+from pdproc.connectors import ClientRequest, EngineMap, OnFailure
 from pdproc.connectors.mooncake import BootstrapError
 from pdproc.errors import ErrorKind, ErrorReply
 from pdproc.prefill import PrefillJob, PrefillOutcome
@@ -168,7 +168,7 @@ class _BodyChecks:
         if len(raw) > limit:
             return ErrorReply(ErrorKind.TOO_LARGE, f"request body exceeds {limit} bytes")
         try:
-            return ClientRequest(self.context.path, raw, parse_body(raw))
+            return ClientRequest(self.context.path, raw, parse_body(raw), self.context.request_id)
         except BodyError as exc:
             return ErrorReply(ErrorKind.BAD_REQUEST, str(exc))
 
@@ -192,6 +192,7 @@ class DecodeOnly(_BodyChecks, PassThrough):
             return self.served_alone()
 
     def served_alone(self) -> msg.Response:
+        """The client's own body goes on to the decode, marked as checked."""
         if self._reason is not None:
             log.warning(
                 "decode-only fallback: %s",
@@ -249,6 +250,7 @@ class Disaggregated(_BodyChecks):
         excerpt = {}
         if service.settings.log_bodies:
             excerpt["body"] = checked.raw[:BODY_LOG_BYTES].decode("utf-8", "replace")
+        sequential = service.connector.sequential
         job = self._job = service.launcher.launch(
             target=self._target,
             legs=legs,
@@ -256,14 +258,51 @@ class Disaggregated(_BodyChecks):
             client_headers=self.context.headers,
             parent_span=self.context.span,
             log_fields=excerpt,
+            keep_answer=sequential,
         )
         if self.context.span is not None:
             for key, value in legs.facts.items():
                 self.context.span.set_attribute(f"pdproc.{key}", value)
-        job.outcome.add_done_callback(self._prefill_done)
         self._busy_s += time.perf_counter() - started
         service.metrics.processing_seconds.observe(self._busy_s)
-        return msg.body_response(legs.decode_body, content_length=not self.context.single_message)
+        if sequential or legs.decode_body is None:
+            # The body's answer waits for the prefill; Envoy is told to wait that long.
+            return Deferred(self._hold_for(job), self._after_prefill(job, checked))
+        job.outcome.add_done_callback(self._prefill_done)
+        return self._decode(legs.decode_body)
+
+    def _decode(self, body: bytes) -> msg.Response:
+        return msg.body_response(body, content_length=not self.context.single_message)
+
+    def _hold_for(self, job: PrefillJob) -> msg.Response:
+        """One override sized for the rest of the prefill: Envoy honours only the first per
+        message, and caps it at the filter's max_message_timeout."""
+        launcher = self.context.service.launcher
+        remaining = launcher.timeout_s - (time.perf_counter() - job.started)
+        ceiling = self.context.service.settings.envoy_max_message_timeout
+        return msg.hold(min(max(remaining, 0.0) + 1.0, ceiling))
+
+    async def _after_prefill(self, job: PrefillJob, request: ClientRequest) -> msg.Response:
+        """Sequential connectors: the decode leg once the prefill has answered."""
+        outcome = await asyncio.shield(job.outcome)
+        connector = self.context.service.connector
+        if outcome.ok and outcome.answer is not None:
+            try:
+                body = connector.decode_body(request, outcome.answer)
+            except BodyError as exc:
+                return self._alone(f"unusable prefill answer: {exc}")
+            self.context.finish("pd")
+            return self._decode(body)
+        reply = prefill_error(outcome)
+        if connector.on_failure(outcome.status) is OnFailure.PASS_THROUGH:
+            self.context.finish(reply.kind.value)
+            return msg.passed_through(
+                outcome.status or 502, outcome.answer or b"", outcome.content_type
+            )
+        return self._alone(reply.message)
+
+    def _alone(self, reason: str) -> msg.Response:
+        return DecodeOnly(self.context, "decode_only", reason).served_alone()
 
     def _without_prefill(self, reply: ErrorReply) -> Answer:
         """No prefill can serve this request: reject it, or let the decode do it alone."""
@@ -287,16 +326,14 @@ class Disaggregated(_BodyChecks):
         if status.startswith("5"):
             # A decode 5xx may be a stale engine id (the prefill pod restarted): re-query.
             self.context.service.engines.invalidate(job.target)
+        if self.context.service.connector.sequential:
+            return msg.CONTINUE_RESPONSE_HEADERS  # the prefill ended before the decode began
         if job.outcome.done():
             return self._settled(job.outcome.result(), "before_response")
         if not status.startswith("2"):
             # The decode failed on its own: the client sees its error; the prefill carries on.
             return msg.CONTINUE_RESPONSE_HEADERS
-        launcher = self.context.service.launcher
-        remaining = launcher.timeout_s - (time.perf_counter() - job.started)
-        ceiling = self.context.service.settings.envoy_max_message_timeout
-        # One override sized for the whole hold: Envoy honours only the first per message.
-        return Deferred(msg.hold(min(max(remaining, 0.0) + 1.0, ceiling)), self._held(job))
+        return Deferred(self._hold_for(job), self._held(job))
 
     async def _held(self, job: PrefillJob) -> msg.Response:
         started = time.perf_counter()
@@ -316,6 +353,12 @@ class Disaggregated(_BodyChecks):
         return msg.immediate(prefill_error(outcome))
 
     def close(self) -> None:
+        job = self._job
+        sequential = self.context.service.connector.sequential
+        if sequential and job is not None and job.task is not None and not job.outcome.done():
+            # Nobody will use this prefill's KV: free the prefill pod's work and blocks.
+            job.task.cancel()
+            self.context.finish("cancelled")
         self.context.close()
 
 

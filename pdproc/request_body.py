@@ -74,14 +74,20 @@ def dumps(data: Mapping[str, Any]) -> bytes:
 
 
 def with_field(raw: bytes, parsed: Mapping[str, Any], key: str, value: Any) -> bytes:
-    """The client's bytes with one top-level field appended, no re-serialisation.
+    """The client's bytes with one top-level field appended (see `with_fields`)."""
+    return with_fields(raw, parsed, {key: value})
 
-    `key` must not be in `parsed`. A prompt may be megabytes long: it is copied once and its
-    numbers keep their exact spelling."""
+
+def with_fields(raw: bytes, parsed: Mapping[str, Any], fields: Mapping[str, Any]) -> bytes:
+    """The client's bytes with top-level fields appended, no re-serialisation.
+
+    The keys must not be in `parsed`. A prompt may be megabytes long: it is copied once and
+    its numbers keep their exact spelling."""
     # parse_body proved the last non-blank byte is "}": cut there, copy the prompt once.
     cut = _last_non_blank(raw, len(raw)) - 1
     cut = _last_non_blank(raw, cut)
-    tail = (b"," if parsed else b"") + orjson.dumps(key) + b":" + orjson.dumps(value) + b"}"
+    added = orjson.dumps(fields)[1:-1]  # the fields without their braces
+    tail = (b"," if parsed and added else b"") + added + b"}"
     return b"".join((memoryview(raw)[:cut], tail))
 
 

@@ -19,8 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdproc.bootstrap import EngineMaps
 from pdproc.breaker import CircuitBreakers
-from pdproc.config import Settings
+from pdproc.config import KvConnector, Settings
+from pdproc.connectors import Connector
 from pdproc.connectors.mooncake import Mooncake
+from pdproc.connectors.nixlv2 import NixlV2
+from pdproc.connectors.sglang import SGLang
 from pdproc.discovery import DnsPool
 from pdproc.metrics import Metrics
 from pdproc.pod_http import new_session
@@ -88,7 +91,7 @@ class Server:
             await self._dns.start()
         self.service = ExtProcService(
             s,
-            Mooncake(s.mooncake_bootstrap_port),
+            connector_for(s),
             engines,
             launcher,
             breakers,
@@ -216,6 +219,14 @@ class Server:
         lame_duck = min(self.settings.shutdown_delay, self.settings.drain_timeout)
         left = await self.stop(lame_duck_s=lame_duck)
         return 1 if left else 0
+
+
+def connector_for(settings: Settings) -> Connector:
+    if settings.kv_connector is KvConnector.NIXLV2:
+        return NixlV2()
+    if settings.kv_connector is KvConnector.SGLANG:
+        return SGLang(settings.sglang_bootstrap_port)
+    return Mooncake(settings.mooncake_bootstrap_port)
 
 
 def _text(status: int, text: str) -> web.Response:

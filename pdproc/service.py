@@ -24,7 +24,7 @@ from pdproc.discovery import DnsPool
 from pdproc.errors import ErrorKind, ErrorReply
 from pdproc.metrics import Metrics
 from pdproc.picker import BadRequest, Chosen, Forbidden, NoTarget, Unavailable, pick_target
-from pdproc.prefill import INTERNAL, PrefillJob, PrefillLauncher, PrefillOutcome
+from pdproc.prefill import NOT_THE_POD, PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.processors import (
     Abort,
     DecodeOnly,
@@ -63,7 +63,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.dns_pool = dns_pool
         self._static_pool = frozenset(settings.prefill)
         self.draining = False  # shutting down: no new prefills, the decode serves alone
-        self._outcome_counters: dict[tuple[str, str], Any] = {}
+        self._outcome_counters: dict[tuple[str, str, str], Any] = {}
         self._body_bytes = 0
         launcher.set_hook(self.on_prefill_outcome)
 
@@ -137,7 +137,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self.metrics.bodies_bytes.set(self._body_bytes)
 
     def count(self, path: str, outcome: str) -> None:
-        key = (path if path in self.settings.pd_path else "other", outcome)
+        key = (path if path in self.settings.pd_path else "other", outcome, self.connector.name)
         counter = self._outcome_counters.get(key)
         if counter is None:
             counter = self._outcome_counters[key] = self.metrics.requests.labels(*key)
@@ -155,8 +155,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         )
 
     def on_prefill_outcome(self, job: PrefillJob, outcome: PrefillOutcome) -> None:
-        if outcome.outcome == INTERNAL:
-            return  # pdproc's own failure says nothing about the pod
+        if outcome.outcome in NOT_THE_POD:
+            return  # pdproc's own failure, or the client leaving, says nothing about the pod
         self.breakers.record(job.target, outcome.outcome)
         if not outcome.ok:
             # The pod may have restarted with new engine ids: ask again next time.

@@ -1,14 +1,17 @@
 """KV connectors: what each prefill/decode protocol makes of one client request.
 
-A connector is pure: given the parsed request, the chosen prefill pod and (for Mooncake)
-its engine map, it returns both legs' bodies and headers. The ext_proc stream does not know
-which connector it runs; it launches the prefill leg and hands the decode leg to Envoy.
+A connector is pure. Given the parsed request and the chosen prefill pod (and, for
+Mooncake, the pod's engine map) it builds the prefill leg and, when the decode does not
+depend on the prefill's answer, the decode leg too; it says whether the prefill runs
+before the decode (NIXL v2) or beside it (Mooncake, SGLang), and what a failed prefill
+means for the client. The ext_proc stream does not know which connector it runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Protocol
 
 from pdproc.targets import HostPort
@@ -22,27 +25,40 @@ class ClientRequest:
     path: str
     raw: bytes
     parsed: dict[str, Any]
+    # The id both legs carry (Envoy's x-request-id).
+    request_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Legs:
-    """Both legs of one disaggregated request, built before Envoy gets its answer, so a body
-    that cannot be built is the client's 400, never a failed prefill."""
+    """One disaggregated request's legs, built before Envoy gets its answer, so a body that
+    cannot be built is the client's 400, never a failed prefill."""
 
-    decode_body: bytes
     prefill_body: bytes
-    # Connector headers of the prefill request (the data-parallel rank), on top of the
-    # client's end-to-end headers.
+    # None when the decode leg is built from the prefill's answer (sequential connectors).
+    decode_body: bytes | None
+    # Connector headers of the prefill request (the data-parallel rank, the request id), on
+    # top of the client's end-to-end headers.
     prefill_headers: Mapping[str, str]
     rank: int | None = None
-    # Facts for the log line and the span: transfer id, engine id ...
+    # Facts for the log line and the span: transfer id, engine id, bootstrap room ...
     facts: Mapping[str, str | int] = field(default_factory=dict)
+
+
+class OnFailure(Enum):
+    """What a failed prefill means for the client."""
+
+    ABORT = "abort"  # an error answer; the decode (if started) is cancelled
+    PASS_THROUGH = "pass_through"  # the prefill's own answer goes back as it is
+    DECODE_ALONE = "decode_alone"  # the decode serves the original request alone
 
 
 class Connector(Protocol):
     name: str
     # Needs the prefill pod's engine map (Mooncake's bootstrap /query) to build the legs.
     uses_engines: bool
+    # The prefill runs to completion before the decode is sent (its answer feeds the decode).
+    sequential: bool
 
     def legs(
         self,
@@ -51,5 +67,14 @@ class Connector(Protocol):
         engines: EngineMap | None,
         busy_ranks: Mapping[int, int],
     ) -> Legs:
-        """Both legs; BodyError when the client's body cannot be carried."""
+        """Both legs (or the prefill leg alone); BodyError when the body cannot be carried."""
+        ...
+
+    def decode_body(self, request: ClientRequest, prefill_answer: bytes) -> bytes:
+        """Sequential connectors: the decode leg from the prefill's answer; BodyError when
+        the answer cannot be used."""
+        ...
+
+    def on_failure(self, status: int | None) -> OnFailure:
+        """What a prefill that failed (with this HTTP status, or none at all) means."""
         ...

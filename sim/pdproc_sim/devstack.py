@@ -369,6 +369,8 @@ def running_stack(
         args = ["--prefill-allow", "::1/128" if ":" in host else "127.0.0.1/32"]
         # The simulated prefill's bootstrap server: Mooncake /query, SGLang bootstrap_port.
         args += ["--mooncake-bootstrap-port", str(sim.bootstrap.port), *connector]
+        if kv_connector == "sglang":
+            args += ["--sglang-bootstrap-port", str(sim.bootstrap.port)]
         args += [*(["--prefill", str(sim.prefill)] if pool else []), *pdproc_args]
         proc, addr, metrics = start_pdproc(workdir, args, host=host)
         cleanup.callback(proc.stop)

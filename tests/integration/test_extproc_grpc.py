@@ -54,8 +54,13 @@ class Harness:
         return call
 
     def sample(self, name: str, **labels: str) -> float:
-        value = self.server.metrics.registry.get_sample_value(name, labels)
-        return value or 0.0
+        """The sum of the samples `name{labels...}` (other labels, e.g. connector, free)."""
+        return sum(
+            sample.value
+            for family in self.server.metrics.registry.collect()
+            for sample in family.samples
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+        )
 
     async def prefill_records(self) -> list[dict[str, Any]]:
         async with httpx.AsyncClient() as client:

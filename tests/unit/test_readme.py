@@ -34,13 +34,18 @@ def test_grafana_dashboard_only_queries_metrics_pdproc_exports() -> None:
     exported = {
         sample_name
         for family in Metrics().registry.collect()
-        for sample_name in (family.name, family.name + "_total", family.name + "_bucket")
+        for sample_name in (
+            family.name,
+            family.name + "_total",
+            family.name + "_bucket",
+            family.name + "_info",
+        )
     }
     queried = {
         name
         for panel in dashboard["panels"]
         for target in panel["targets"]
-        for name in re.findall(r"pdproc_[a-z_]+", target["expr"])
+        for name in re.findall(r"\bpdproc_[a-z_]+", target["expr"])
     }
     assert queried
     assert queried <= exported, queried - exported

@@ -1,0 +1,63 @@
+"""SGLang's disaggregation: both legs get the same body, launched side by side.
+
+The decode learns where the prefill pod's bootstrap server is (`bootstrap_host`,
+`bootstrap_port`) and which rendezvous to wait in (`bootstrap_room`, a random integer below
+2**63); the prefill gets exactly the same body and meets it there. SGLang's prefill server
+needs no priming: it computes the prompt and hands the KV over on its own.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+
+from pdproc.connectors import ClientRequest, EngineMap, Legs, OnFailure
+from pdproc.request_body import BodyError, with_fields
+from pdproc.targets import HostPort
+
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+def new_room() -> int:
+    return secrets.randbelow(2**63)
+
+
+class SGLang:
+    name = "sglang"
+    uses_engines = False
+    sequential = False
+
+    def __init__(self, bootstrap_port: int) -> None:
+        self.bootstrap_port = bootstrap_port
+
+    def legs(
+        self,
+        request: ClientRequest,
+        target: HostPort,
+        engines: EngineMap | None,
+        busy_ranks: Mapping[int, int],
+    ) -> Legs:
+        clash = [name for name in BOOTSTRAP_FIELDS if name in request.parsed]
+        if clash:
+            # The rendezvous is the gateway's to choose, as kv_transfer_params are.
+            raise BodyError(f"{clash[0]} is set by the gateway, not by clients")
+        room = new_room()
+        fields = {
+            "bootstrap_host": target.host,
+            "bootstrap_port": self.bootstrap_port,
+            "bootstrap_room": room,
+        }
+        body = with_fields(request.raw, request.parsed, fields)
+        return Legs(
+            prefill_body=body,
+            decode_body=body,
+            prefill_headers={},
+            facts={"bootstrap_room": room},
+        )
+
+    def decode_body(self, request: ClientRequest, prefill_answer: bytes) -> bytes:
+        raise NotImplementedError("SGLang builds the decode leg up front")
+
+    def on_failure(self, status: int | None) -> OnFailure:
+        # The decode waits in the room for KV that never comes: end it with an error.
+        return OnFailure.ABORT
