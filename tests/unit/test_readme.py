@@ -13,7 +13,8 @@ def test_settings_table_matches_the_cli() -> None:
     start = README.index("<!-- settings-table")
     end = README.index("<!-- end settings-table -->")
     table = README[README.index("\n", start) + 1 : end].strip()
-    assert table == settings_table(), "README settings table is stale: paste pdproc.config.settings_table()"
+    stale = "README settings table is stale: paste pdproc.config.settings_table()"
+    assert table == settings_table(), stale
 
 
 def test_two_commands_and_ci_use_them() -> None:
