@@ -1,0 +1,789 @@
+"""Cross-checks on one rendered kustomization: the things no schema can see, and the ones
+that matter most for pdproc (timeouts that must agree across pdproc and the gateway, the
+drain budget, the endpoint picker's flags, who may reach which port)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .report import Doc, Report
+
+DURATION_RE = re.compile(r"^(?:(\d+(?:\.\d+)?)(h|m|s|ms))+$")
+QUANTITY_RE = re.compile(r"^(\d+(?:\.\d+)?)([EPTGMK]i|[EPTGMkm])?$")
+QUANTITY_UNITS: dict[str | None, float] = {
+    None: 1,
+    "m": 1e-3,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "E": 1e18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
+WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
+PDPROC = "pdproc"  # the container (and Deployment) name
+# The OTLP exporter's timeout when OTEL_EXPORTER_OTLP_TIMEOUT is unset (seconds).
+OTLP_TIMEOUT_DEFAULT = 10.0
+# Placeholder values the manifests ship for site-specific settings: pdproc refuses them at
+# startup (a `/` makes them an invalid CIDR), and --overlay mode refuses to pass them.
+PLACEHOLDER = "UNSET/"
+# Rough memory per in-flight request-body byte inside pdproc (the received body, the parsed
+# JSON, the decode and prefill bodies it builds) and the process baseline; used to keep
+# PDPROC_MAX_INFLIGHT_BYTES inside the container's memory limit.
+INFLIGHT_MEMORY_FACTOR = 4
+PROCESS_BASELINE_BYTES = 256 * 2**20
+RAISED_LIMIT = 100000  # circuit-breaker limits in the manifests (Envoy's default: 1024)
+
+
+def seconds(value: str) -> float:
+    """A Go/Gateway API duration such as 65s, 1m30s or 300ms, in seconds."""
+    if not DURATION_RE.match(value):
+        raise ValueError(f"not a duration: {value!r}")
+    total = 0.0
+    for number, unit in re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s)", value):
+        total += float(number) * {"h": 3600, "m": 60, "s": 1, "ms": 0.001}[unit]
+    return total
+
+
+def quantity(value: Any) -> float:
+    if isinstance(value, int | float):
+        return float(value)
+    match = QUANTITY_RE.match(str(value))
+    if not match:
+        raise ValueError(f"not a quantity: {value!r}")
+    return float(match.group(1)) * QUANTITY_UNITS[match.group(2)]
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the checks know beyond the rendered objects."""
+
+    env_names: frozenset[str]  # pdproc's environment variables (README settings table)
+    metric_names: frozenset[str]  # pdproc's metrics (README metrics table)
+    epp: dict[str, Any]  # deploy/schemas/epp.json
+    site: bool  # --overlay mode: placeholders and unpinned images are errors
+
+
+def pod_spec(w: Doc) -> dict[str, Any]:
+    return dict(w.spec.get("template", {}).get("spec") or {})
+
+
+def pod_labels(w: Doc) -> dict[str, str]:
+    return dict(w.spec.get("template", {}).get("metadata", {}).get("labels") or {})
+
+
+def containers(w: Doc) -> list[dict[str, Any]]:
+    spec = pod_spec(w)
+    return [*spec.get("initContainers", []), *spec.get("containers", [])]
+
+
+def container_ports(w: Doc) -> dict[str, int]:
+    return {
+        p["name"]: p["containerPort"]
+        for c in pod_spec(w).get("containers", [])
+        for p in c.get("ports", [])
+        if "name" in p
+    }
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value") for e in container.get("env", []) if "name" in e}
+
+
+def pdproc_container(docs: list[Doc]) -> tuple[Doc, dict[str, Any]] | None:
+    for doc in docs:
+        if doc.kind == "Deployment" and doc.name == PDPROC:
+            for c in pod_spec(doc).get("containers", []):
+                if c.get("name") == PDPROC:
+                    return doc, c
+    return None
+
+
+def selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def label_selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A metav1.LabelSelector (matchLabels and matchExpressions) against labels."""
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if labels.get(key) != value:
+            return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        if (
+            (op == "In" and labels.get(key) not in values)
+            or (op == "NotIn" and labels.get(key) in values)
+            or (op == "Exists" and key not in labels)
+            or (op == "DoesNotExist" and key in labels)
+        ):
+            return False
+    return True
+
+
+def check_set(name: str, docs: list[Doc], ctx: Context, report: Report) -> None:
+    index = {(d.kind, d.name): d for d in docs}
+    workloads = [d for d in docs if d.kind in WORKLOADS]
+    checks: list[Callable[[list[Doc], dict[tuple[str, str], Doc], Context, Report], None]] = [
+        _workloads,
+        _pod_security,
+        _pdproc,
+        _services_and_budgets,
+        _gateway_policies,
+        _routes_and_pools,
+        _istio,
+        _epp,
+        _network_policies,
+        _monitoring,
+        _placeholders,
+    ]
+    for check in checks:
+        check(docs, index, ctx, report)
+    report.ok("refs: kustomizations cross-checked")
+    report.ok("refs: workloads cross-checked", len(workloads))
+
+
+# ------------------------------------------------------------------------------ workloads
+
+
+def _workloads(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    for w in (d for d in docs if d.kind in WORKLOADS):
+        selector = w.spec.get("selector", {}).get("matchLabels", {})
+        if not selector_matches(selector, pod_labels(w)):
+            report.error(w.where, "spec.selector does not match the pod template labels")
+        ports = container_ports(w)
+        for c in containers(w):
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                for kind in ("httpGet", "tcpSocket", "grpc"):
+                    port = ((c.get(probe) or {}).get(kind) or {}).get("port")
+                    if isinstance(port, str) and port not in ports:
+                        report.error(w.where, f"{probe} uses port {port!r}, not a container port")
+            # $(VAR) in env values and args expands only variables defined EARLIER in env.
+            defined: set[str] = set()
+            for e in c.get("env", []):
+                for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", str(e.get("value", ""))):
+                    if ref not in defined:
+                        report.error(
+                            w.where,
+                            f"container {c['name']}: env {e['name']} uses $({ref}), which is "
+                            "not defined before it (Kubernetes leaves it unexpanded)",
+                        )
+                defined.add(e["name"])
+            for arg in [*c.get("args", []), *c.get("command", [])]:
+                for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", str(arg)):
+                    if ref not in defined:
+                        report.error(w.where, f"container {c['name']}: $({ref}) is not in env")
+
+
+def _pod_security(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    """The Pod Security Standard "restricted" (v1.30+), as the admission plugin applies it."""
+    for w in (d for d in docs if d.kind in WORKLOADS):
+        spec = pod_spec(w)
+        pod_sc = spec.get("securityContext") or {}
+        problems = []
+        for key in ("hostNetwork", "hostPID", "hostIPC"):
+            if spec.get(key):
+                problems.append(f"{key} is set")
+        for v in spec.get("volumes", []):
+            allowed = {
+                "name",
+                "configMap",
+                "csi",
+                "downwardAPI",
+                "emptyDir",
+                "ephemeral",
+                "persistentVolumeClaim",
+                "projected",
+                "secret",
+            }
+            if set(v) - allowed:
+                problems.append(f"volume {v.get('name')} has a type restricted forbids")
+        pod_seccomp = (pod_sc.get("seccompProfile") or {}).get("type")
+        for c in containers(w):
+            sc = c.get("securityContext") or {}
+            label = f"container {c.get('name')}"
+            if sc.get("allowPrivilegeEscalation") is not False:
+                problems.append(f"{label}: allowPrivilegeEscalation must be false")
+            if "ALL" not in ((sc.get("capabilities") or {}).get("drop") or []):
+                problems.append(f"{label}: capabilities.drop must include ALL")
+            added = set((sc.get("capabilities") or {}).get("add") or []) - {"NET_BIND_SERVICE"}
+            if added:
+                problems.append(f"{label}: adds capabilities {sorted(added)}")
+            if not sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")):
+                problems.append(f"{label}: runAsNonRoot must be true (pod or container)")
+            if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
+                problems.append(f"{label}: runAsUser 0")
+            if (sc.get("seccompProfile") or {}).get("type", pod_seccomp) not in (
+                "RuntimeDefault",
+                "Localhost",
+            ):
+                problems.append(f"{label}: seccompProfile must be RuntimeDefault or Localhost")
+            if sc.get("privileged"):
+                problems.append(f"{label}: privileged")
+        for problem in problems:
+            report.error(w.where, f"Pod Security 'restricted' rejects it: {problem}")
+
+
+# ------------------------------------------------------------------------------ pdproc
+
+
+def _pdproc(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    found = pdproc_container(docs)
+    if found is None:
+        return
+    w, c = found
+    env = env_of(c)
+    helpers = {
+        ref
+        for value in env.values()
+        for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", str(value or ""))
+    }
+    for name in env:
+        if name in ctx.env_names or name.startswith("OTEL_") or name in helpers:
+            continue
+        close = [n for n in ctx.env_names if _distance(n, name) <= 2]
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        report.error(
+            w.where,
+            f"env {name} is not a pdproc setting{hint}: pdproc ignores it "
+            "(the settings table in README.md lists them)",
+        )
+
+    def number(key: str, default: float) -> float:
+        try:
+            return float(env.get(key) or default)
+        except ValueError:
+            report.error(w.where, f"env {key}={env.get(key)!r} is not a number")
+            return default
+
+    prefill = number("PDPROC_PREFILL_TIMEOUT", 60)
+    drain = number("PDPROC_DRAIN_TIMEOUT", 30)
+    delay = number("PDPROC_SHUTDOWN_DELAY", 2)
+    # The tracer provider's shutdown flushes the queued spans; each export waits at most the
+    # OTLP exporter's timeout (OTEL_EXPORTER_OTLP_TIMEOUT, which the Python exporter reads in
+    # seconds; 10 by default).
+    flush = number("OTEL_EXPORTER_OTLP_TIMEOUT", OTLP_TIMEOUT_DEFAULT)
+    grace = pod_spec(w).get("terminationGracePeriodSeconds", 30)
+    if drain < prefill + 1:
+        report.error(
+            w.where,
+            f"PDPROC_DRAIN_TIMEOUT {drain:g} s must be >= PDPROC_PREFILL_TIMEOUT + 1 s "
+            f"({prefill + 1:g} s): a prefill started just before SIGTERM (and the decode held "
+            "for it) must be able to finish",
+        )
+    if grace < delay + drain + flush + 1:
+        report.error(
+            w.where,
+            f"terminationGracePeriodSeconds {grace} must be >= PDPROC_SHUTDOWN_DELAY + "
+            f"PDPROC_DRAIN_TIMEOUT + trace flush + 1 s ({delay:g} + {drain:g} + {flush:g} + 1 "
+            f"= {delay + drain + flush + 1:g}): the kubelet kills what is still running then",
+        )
+    resources = c.get("resources") or {}
+    cpu_limit = (resources.get("limits") or {}).get("cpu")
+    cpu_request = (resources.get("requests") or {}).get("cpu")
+    if cpu_limit is not None and quantity(cpu_limit) != quantity(cpu_request or 0):
+        report.error(
+            w.where,
+            f"pdproc has a CPU limit ({cpu_limit}) above its request: CFS throttling stalls "
+            "the event loop (and every held decode) in bursts; drop the limit or set it equal",
+        )
+    memory = (resources.get("limits") or {}).get("memory")
+    inflight = env.get("PDPROC_MAX_INFLIGHT_BYTES")
+    if "PDPROC_MAX_INFLIGHT_BYTES" in ctx.env_names and memory is not None:
+        if inflight is None:
+            report.error(
+                w.where, "PDPROC_MAX_INFLIGHT_BYTES is unset: in-flight bodies are unbounded"
+            )
+        else:
+            budget = (quantity(memory) - PROCESS_BASELINE_BYTES) / INFLIGHT_MEMORY_FACTOR
+            if quantity(inflight) > budget:
+                report.error(
+                    w.where,
+                    f"PDPROC_MAX_INFLIGHT_BYTES {inflight} exceeds (memory limit {memory} - "
+                    f"256Mi) / {INFLIGHT_MEMORY_FACTOR} = {int(budget)}",
+                )
+    metrics = str(env.get("PDPROC_METRICS_LISTEN") or "")
+    if metrics.startswith(("0.0.0.0:", "[::]:", ":")):
+        report.error(
+            w.where,
+            f"PDPROC_METRICS_LISTEN {metrics} binds every address: bind the pod IP "
+            "($(POD_IP) from status.podIP), which kubelet probes and scrapes use",
+        )
+    zones = [
+        t
+        for t in pod_spec(w).get("topologySpreadConstraints", [])
+        if t.get("topologyKey") == "topology.kubernetes.io/zone"
+    ]
+    if not zones:
+        report.error(w.where, "no topologySpreadConstraint over topology.kubernetes.io/zone")
+
+
+def _distance(a: str, b: str) -> int:
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+# ------------------------------------------------------------------------------ services
+
+
+def _services_and_budgets(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    workloads = [d for d in docs if d.kind in WORKLOADS]
+    for svc in (d for d in docs if d.kind == "Service"):
+        selector = svc.spec.get("selector", {})
+        for w in (w for w in workloads if selector_matches(selector, pod_labels(w))):
+            ports = container_ports(w)
+            for p in svc.spec.get("ports", []):
+                target = p.get("targetPort", p.get("port"))
+                if isinstance(target, str) and target not in ports:
+                    report.error(svc.where, f"targetPort {target!r} is not a port of {w.name}")
+    budgets = [d for d in docs if d.kind == "PodDisruptionBudget"]
+    for pdb in budgets:
+        matched = [
+            w
+            for w in workloads
+            if label_selector_matches(pdb.spec.get("selector", {}), pod_labels(w))
+        ]
+        if not matched:
+            report.error(pdb.where, "selector matches no workload in this set")
+        if "minAvailable" in pdb.spec:
+            report.error(
+                pdb.where,
+                "use maxUnavailable: 1 (minAvailable blocks node drains whenever the "
+                "Deployment is scaled down to it, e.g. by an HPA)",
+            )
+    for w in workloads:
+        replicas = w.spec.get("replicas", 1)
+        has_hpa = any(
+            d.kind == "HorizontalPodAutoscaler"
+            and d.spec.get("scaleTargetRef", {}).get("name") == w.name
+            for d in docs
+        )
+        if (replicas > 1 or has_hpa) and not any(
+            label_selector_matches(p.spec.get("selector", {}), pod_labels(w)) for p in budgets
+        ):
+            report.error(w.where, "several replicas but no PodDisruptionBudget")
+        if has_hpa and "replicas" in w.spec:
+            report.error(w.where, "an HPA scales it: drop spec.replicas (each apply resets it)")
+
+
+def _service_port(
+    index: dict[tuple[str, str], Doc],
+    report: Report,
+    where: str,
+    svc_name: str,
+    port: Any,
+    namespace: str | None = None,
+) -> Doc | None:
+    svc = index.get(("Service", svc_name))
+    if svc is None:
+        report.error(where, f"Service {svc_name} is not in this set")
+        return None
+    if namespace and svc.namespace and namespace != svc.namespace:
+        report.error(where, f"Service {svc_name} is in namespace {svc.namespace}, not {namespace}")
+    if port not in [p.get("port") for p in svc.spec.get("ports", [])]:
+        report.error(where, f"Service {svc_name} has no port {port}")
+    return svc
+
+
+# ------------------------------------------------------------------------------ gateways
+
+
+def _pdproc_settings(docs: list[Doc]) -> dict[str, float]:
+    found = pdproc_container(docs)
+    env = env_of(found[1]) if found else {}
+    return {
+        "max_body": float(env.get("PDPROC_MAX_BODY_BYTES") or 16 * 2**20),
+        "prefill_timeout": float(env.get("PDPROC_PREFILL_TIMEOUT") or 60),
+        "max_message": float(env.get("PDPROC_ENVOY_MAX_MESSAGE_TIMEOUT") or 300),
+    }
+
+
+def _gateway_policies(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    settings = _pdproc_settings(docs)
+    for pol in (
+        d for d in docs if str(d.obj.get("apiVersion", "")).startswith("gateway.envoyproxy.io/")
+    ):
+        for ref in pol.spec.get("targetRefs", []):
+            if (ref["kind"], ref["name"]) not in index:
+                report.error(pol.where, f"targetRef {ref['kind']}/{ref['name']} is not in this set")
+        ext_procs = pol.spec.get("extProc", [])
+        for i, ext in enumerate(ext_procs):
+            names = [ref["name"] for ref in ext.get("backendRefs", [])]
+            for ref in ext.get("backendRefs", []):
+                if ref.get("kind", "Service") == "Service":
+                    _service_port(
+                        index,
+                        report,
+                        f"{pol.where} extProc[{i}]",
+                        ref["name"],
+                        ref.get("port"),
+                        ref.get("namespace"),
+                    )
+            breaker = (ext.get("backendSettings") or {}).get("circuitBreaker") or {}
+            for key in ("maxConnections", "maxPendingRequests", "maxParallelRequests"):
+                if breaker.get(key, 1024) < RAISED_LIMIT:
+                    report.error(
+                        pol.where,
+                        f"extProc[{i}] ({', '.join(names)}) backendSettings.circuitBreaker."
+                        f"{key} is {breaker.get(key, '1024 (default)')}: every in-flight "
+                        f"request holds one gRPC stream; raise it to {RAISED_LIMIT}",
+                    )
+            if PDPROC in names:
+                timeout = seconds(ext.get("messageTimeout", "200ms"))
+                if timeout < settings["prefill_timeout"] + 1:
+                    report.error(
+                        pol.where,
+                        f"extProc[{i}] messageTimeout {timeout:g}s must be >= "
+                        f"PDPROC_PREFILL_TIMEOUT + 1 s ({settings['prefill_timeout'] + 1:g}s): "
+                        "Envoy Gateway sets no max_message_timeout",
+                    )
+                mode = ext.get("processingMode", {})
+                if mode.get("request", {}).get("body") != "Buffered" or "response" not in mode:
+                    report.error(
+                        pol.where,
+                        f"extProc[{i}] pdproc needs request body Buffered and response headers",
+                    )
+                if "pdproc" not in ((ext.get("metadata") or {}).get("writableNamespaces") or []):
+                    report.error(
+                        pol.where,
+                        f"extProc[{i}] metadata.writableNamespaces must include pdproc: the "
+                        "guard after ext_proc reads pdproc.body_checked from it",
+                    )
+                if len(ext_procs) > i + 1:
+                    report.error(
+                        pol.where,
+                        f"extProc[{i}] pdproc must be the last processor (after the endpoint "
+                        "picker, whose headers it reads)",
+                    )
+        if pol.kind == "ClientTrafficPolicy":
+            limit = (pol.spec.get("connection") or {}).get("bufferLimit")
+            if limit is not None and quantity(limit) < settings["max_body"]:
+                report.error(
+                    pol.where,
+                    f"connection.bufferLimit {limit} is below PDPROC_MAX_BODY_BYTES "
+                    f"({settings['max_body']:g})",
+                )
+            path = pol.spec.get("path") or {}
+            if path.get("disableMergeSlashes") or path.get("escapedSlashesAction") not in (
+                "UnescapeAndForward",
+                "UnescapeAndRedirect",
+                "RejectRequest",
+            ):
+                report.error(
+                    pol.where,
+                    "path: set escapedSlashesAction UnescapeAndForward (or UnescapeAndRedirect, "
+                    "RejectRequest) and keep slashes merged, so /v1%2Fchat%2Fcompletions or "
+                    "//v1/... cannot reach the decode without pdproc",
+                )
+    for gw in (d for d in docs if d.kind == "Gateway" and d.spec.get("gatewayClassName") == "eg"):
+        ctps = [
+            p
+            for p in docs
+            if p.kind == "ClientTrafficPolicy"
+            and any(
+                r.get("kind") == "Gateway" and r.get("name") == gw.name
+                for r in p.spec.get("targetRefs", [])
+            )
+        ]
+        if not ctps:
+            report.error(
+                gw.where,
+                "no ClientTrafficPolicy (buffer limit, path normalisation) targets this Gateway",
+            )
+
+
+def _routes_and_pools(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    for route in (d for d in docs if d.kind == "HTTPRoute"):
+        for parent in route.spec.get("parentRefs", []):
+            if ("Gateway", parent["name"]) not in index:
+                report.error(route.where, f"parent Gateway {parent['name']} is not in this set")
+        for rule in route.spec.get("rules", []):
+            for ref in rule.get("backendRefs", []):
+                kind = ref.get("kind", "Service")
+                if kind == "InferencePool" and ("InferencePool", ref["name"]) not in index:
+                    report.error(route.where, f"InferencePool {ref['name']} is not in this set")
+    for pool in (d for d in docs if d.kind == "InferencePool"):
+        epp = pool.spec["endpointPickerRef"]
+        _service_port(index, report, pool.where, epp["name"], epp.get("port", {}).get("number"))
+
+
+def _istio(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    settings = _pdproc_settings(docs)
+    for ef in (d for d in docs if d.kind == "EnvoyFilter"):
+        for patch in ef.spec.get("configPatches", []):
+            value = patch.get("patch", {}).get("value", {})
+            typed = value.get("typed_config", {})
+            if typed.get("@type", "").endswith("ext_proc.v3.ExternalProcessor"):
+                cluster = (
+                    typed.get("grpc_service", {}).get("envoy_grpc", {}).get("cluster_name", "")
+                )
+                match = re.fullmatch(
+                    r"outbound\|(\d+)\|\|([^.]+)\.([^.]+)\.svc\.cluster\.local", cluster
+                )
+                if not match:
+                    report.error(
+                        ef.where, f"cluster_name {cluster!r} is not an Istio outbound cluster"
+                    )
+                else:
+                    _service_port(
+                        index, report, ef.where, match.group(2), int(match.group(1)), match.group(3)
+                    )
+                if "max_message_timeout" in typed:
+                    mmt = seconds(typed["max_message_timeout"])
+                    if mmt != settings["max_message"]:
+                        report.error(
+                            ef.where,
+                            f"max_message_timeout {mmt:g}s differs from "
+                            f"PDPROC_ENVOY_MAX_MESSAGE_TIMEOUT ({settings['max_message']:g}s)",
+                        )
+                    if mmt < settings["prefill_timeout"] + 1:
+                        report.error(
+                            ef.where, "max_message_timeout is below the prefill timeout + 1 s"
+                        )
+                receiving = (
+                    (typed.get("metadata_options") or {}).get("receiving_namespaces") or {}
+                ).get("untyped") or []
+                if "pdproc" not in receiving:
+                    report.error(
+                        ef.where,
+                        "metadata_options.receiving_namespaces.untyped must include pdproc "
+                        "(pdproc.body_checked)",
+                    )
+            limit = value.get("per_connection_buffer_limit_bytes")
+            if limit is not None and int(limit) < settings["max_body"]:
+                report.error(
+                    ef.where,
+                    f"per_connection_buffer_limit_bytes {limit} is below PDPROC_MAX_BODY_BYTES "
+                    f"({settings['max_body']:g})",
+                )
+    for dr in (d for d in docs if d.kind == "DestinationRule"):
+        match = re.fullmatch(r"([^.]+)\.([^.]+)\.svc\.cluster\.local", dr.spec["host"])
+        if match and ("Service", match.group(1)) not in index:
+            report.error(dr.where, f"host {dr.spec['host']} names no Service in this set")
+
+
+# ------------------------------------------------------------------------------ EPP
+
+
+def _epp(docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report) -> None:
+    image = ctx.epp["image"]
+    for w in (d for d in docs if d.kind in WORKLOADS):
+        for c in pod_spec(w).get("containers", []):
+            ref = str(c.get("image", ""))
+            if not ref.startswith(image + ":") and not ref.startswith(image + "@"):
+                continue
+            name = ref.split("@")[0]
+            tag = name.rpartition(":")[2] if name.count(":") else ""
+            # A digest without a tag (kustomize images: digest:) is a stronger pin.
+            if tag != ctx.epp["tag"] and not (tag == "" and "@sha256:" in ref):
+                report.error(
+                    w.where,
+                    f"EPP image {ref}: the flags and RBAC here are those of {ctx.epp['repo']} "
+                    f"{ctx.epp['tag']} (GIE {ctx.epp['gie_tag']}); pin that tag",
+                )
+            flags = set(ctx.epp["flags"])
+            args = [str(a) for a in c.get("args", [])]
+            for arg in args:
+                if arg.startswith("-"):
+                    flag = arg.lstrip("-").split("=", 1)[0]
+                    if flag not in flags:
+                        report.error(
+                            w.where,
+                            f"EPP arg {arg}: {ctx.epp['repo']} {ctx.epp['tag']} (GIE "
+                            f"{ctx.epp['gie_tag']}) has no flag --{flag}; the EPP exits at "
+                            "startup",
+                        )
+            leader = any(
+                a.lstrip("-").startswith("ha-enable-leader-election") and not a.endswith("=false")
+                for a in args
+            )
+            replicas = w.spec.get("replicas", 1)
+            if replicas > 1 and not leader:
+                report.error(
+                    w.where,
+                    "several EPP replicas need --ha-enable-leader-election (one active picker)",
+                )
+            if leader:
+                for probe, service in (
+                    ("livenessProbe", "liveness"),
+                    ("readinessProbe", "readiness"),
+                ):
+                    got = ((c.get(probe) or {}).get("grpc") or {}).get("service")
+                    if got != service:
+                        report.error(
+                            w.where,
+                            f"with leader election the {probe} must ask gRPC service "
+                            f"{service!r} (got {got!r})",
+                        )
+                sa = pod_spec(w).get("serviceAccountName", "default")
+                if not _grants(
+                    docs, sa, "coordination.k8s.io", "leases", {"get", "create", "update"}
+                ):
+                    report.error(
+                        w.where,
+                        f"leader election: ServiceAccount {sa} may not get/create/update leases",
+                    )
+            if w.spec.get("strategy", {}).get("type") == "Recreate":
+                report.error(
+                    w.where,
+                    "strategy Recreate takes every picker down on a rollout "
+                    "(FailClose: every request fails)",
+                )
+
+
+def _grants(docs: list[Doc], sa: str, group: str, resource: str, verbs: set[str]) -> bool:
+    for binding in (d for d in docs if d.kind in ("RoleBinding", "ClusterRoleBinding")):
+        if not any(
+            s.get("kind") == "ServiceAccount" and s.get("name") == sa
+            for s in binding.obj.get("subjects", [])
+        ):
+            continue
+        role_ref = binding.obj.get("roleRef", {})
+        role = next(
+            (d for d in docs if d.kind == role_ref.get("kind") and d.name == role_ref.get("name")),
+            None,
+        )
+        for rule in role.obj.get("rules", []) if role else []:
+            if (
+                group in rule.get("apiGroups", [])
+                and resource in rule.get("resources", [])
+                and verbs <= set(rule.get("verbs", []))
+            ):
+                return True
+    return False
+
+
+# ------------------------------------------------------------------------------ network
+
+
+def _network_policies(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    found = pdproc_container(docs)
+    if found is None or not any(d.kind == "Gateway" for d in docs):
+        return  # the gateway overlays own the NetworkPolicy (they know the gateway's pods)
+    w, _ = found
+    labels = pod_labels(w)
+    ports = container_ports(w)
+    policies = [
+        d
+        for d in docs
+        if d.kind == "NetworkPolicy"
+        and label_selector_matches(d.spec.get("podSelector", {}), labels)
+    ]
+    if not policies:
+        report.error(
+            w.where,
+            "no NetworkPolicy selects the pdproc pods (only the gateway may reach gRPC, "
+            "only monitoring the metrics)",
+        )
+        return
+    allowed: dict[str, list[list[dict[str, Any]]]] = {}
+    for pol in policies:
+        if "Ingress" not in pol.spec.get("policyTypes", ["Ingress"]):
+            continue
+        for rule in pol.spec.get("ingress", []):
+            if not rule.get("ports"):
+                report.error(pol.where, "an ingress rule without ports opens every port")
+            for p in rule.get("ports", []):
+                port = p.get("port")
+                name = (
+                    port
+                    if isinstance(port, str)
+                    else next((n for n, v in ports.items() if v == port), str(port))
+                )
+                if isinstance(port, str) and port not in ports:
+                    report.error(pol.where, f"port {port!r} is not a pdproc container port")
+                allowed.setdefault(name, []).append(rule.get("from", []))
+    for name, sources in allowed.items():
+        for peers in sources:
+            if not peers or any(not peer for peer in peers):
+                report.error(policies[0].where, f"port {name} is open to every source")
+    for needed in ("grpc", "metrics"):
+        if needed in ports and needed not in allowed:
+            report.error(policies[0].where, f"no ingress rule for pdproc's {needed} port")
+
+
+# ------------------------------------------------------------------------------ monitoring
+
+
+def _monitoring(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    workloads = [d for d in docs if d.kind in WORKLOADS]
+    for pm in (d for d in docs if d.kind == "PodMonitor"):
+        selected = [
+            w
+            for w in workloads
+            if label_selector_matches(pm.spec.get("selector", {}), pod_labels(w))
+        ]
+        for w in selected:
+            ports = container_ports(w)
+            for ep in pm.spec.get("podMetricsEndpoints", []):
+                if ep.get("port") and ep["port"] not in ports:
+                    report.error(pm.where, f"port {ep['port']!r} is not a port of {w.name}")
+
+
+# ------------------------------------------------------------------------------ placeholders
+
+
+def _placeholders(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    for doc in docs:
+        for path, value in _strings(doc.obj, ""):
+            if PLACEHOLDER in value:
+                if ctx.site:
+                    report.error(
+                        doc.where,
+                        f"{path} is still the placeholder {value!r}: set it for your cluster",
+                    )
+                else:
+                    report.ok("placeholders: example values pdproc refuses until set")
+        if ctx.site and doc.kind in WORKLOADS:
+            for c in containers(doc):
+                if "@sha256:" not in str(c.get("image", "")):
+                    report.error(
+                        doc.where,
+                        f"container {c.get('name')}: image {c.get('image')} is not pinned "
+                        "by digest (kustomize images: digest:)",
+                    )
+
+
+def _strings(node: Any, path: str) -> list[tuple[str, str]]:
+    if isinstance(node, str):
+        return [(path or "(root)", node)]
+    if isinstance(node, dict):
+        return [
+            item for k, v in node.items() for item in _strings(v, f"{path}.{k}" if path else str(k))
+        ]
+    if isinstance(node, list):
+        return [item for i, v in enumerate(node) for item in _strings(v, f"{path}[{i}]")]
+    return []
