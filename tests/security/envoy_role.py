@@ -1,0 +1,214 @@
+"""Envoy's side of an ext_proc stream, played over a real grpc.aio channel: the messages
+Envoy sends for one request (headers, buffered body, the decode's response headers) and
+what Envoy would then do with pdproc's answers (forward a body, skip a phase, answer the
+client itself)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import orjson
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.struct_pb2 import Struct
+
+CHAT_PATH = "/v1/chat/completions"
+PREFILL_HEADER = "x-prefiller-host-port"
+READ_TIMEOUT_S = 15.0
+_ids = itertools.count(1)
+
+
+@dataclass
+class Outcome:
+    """How one request ended, as the client and the decode pod would see it."""
+
+    status: int  # the client's status: the decode's when pdproc let it answer
+    decode_body: bytes | None  # what Envoy forwards to the decode (None: nothing)
+    error: dict[str, Any] | None = None  # pdproc's own JSON error answer
+    error_kind: str | None = None  # its x-pdproc-error header
+    raw_error: bytes = b""
+    answers: list[pb.ProcessingResponse] = field(default_factory=list)
+
+    @property
+    def kv_params(self) -> dict[str, Any] | None:
+        """The kv_transfer_params the decode receives (parsed with orjson)."""
+        if self.decode_body is None:
+            return None
+        params = orjson.loads(self.decode_body).get("kv_transfer_params")
+        return params if isinstance(params, dict) else None
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.status == 200 and self.kv_params is not None
+
+
+def channel(port: int) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(
+        f"127.0.0.1:{port}",
+        options=[
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ],
+    )
+
+
+def request_headers(
+    headers: dict[str, str | bytes], end_of_stream: bool = False
+) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=HeaderMap(
+                headers=[
+                    HeaderValue(key=k, raw_value=v if isinstance(v, bytes) else v.encode())
+                    for k, v in headers.items()
+                ]
+            ),
+            end_of_stream=end_of_stream,
+        )
+    )
+
+
+def response_headers(status: str) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(
+            headers=HeaderMap(headers=[HeaderValue(key=":status", raw_value=status.encode())])
+        )
+    )
+
+
+def single_message_body(
+    body: bytes, path: str, prefill: str | None, request_id: str
+) -> pb.ProcessingRequest:
+    """Single-message mode: the body with the request attributes Envoy adds, and the
+    endpoint picker's header moved into dynamic metadata by header_to_metadata."""
+    message = pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+    attributes = Struct()
+    attributes.update({"request.path": path, "request.method": "POST", "request.id": request_id})
+    message.attributes["envoy.filters.http.ext_proc"].CopyFrom(attributes)
+    if prefill is not None:
+        message.metadata_context.filter_metadata["pdproc"].update({"prefiller": prefill})
+    return message
+
+
+async def _read(call: Any) -> pb.ProcessingResponse:
+    async with asyncio.timeout(READ_TIMEOUT_S):
+        message = await call.read()
+    assert message is not grpc.aio.EOF, "pdproc ended the stream without an answer"
+    assert isinstance(message, pb.ProcessingResponse)
+    return message
+
+
+async def _read_answer(call: Any, answers: list[pb.ProcessingResponse]) -> pb.ProcessingResponse:
+    """The next real answer; a bare timeout override (the hold) is noted and skipped."""
+    while True:
+        message = await _read(call)
+        answers.append(message)
+        if message.WhichOneof("response") is not None:
+            return message
+
+
+def _ended(message: pb.ProcessingResponse, answers: list[pb.ProcessingResponse]) -> Outcome:
+    immediate = message.immediate_response
+    kinds = {h.header.key: h.header.raw_value for h in immediate.headers.set_headers}
+    kind = kinds.get("x-pdproc-error")
+    try:
+        error = orjson.loads(immediate.body)
+    except orjson.JSONDecodeError:
+        error = None
+    return Outcome(
+        status=immediate.status.code,
+        decode_body=None,
+        error=error if isinstance(error, dict) else None,
+        error_kind=kind.decode() if kind is not None else None,
+        raw_error=immediate.body,
+        answers=answers,
+    )
+
+
+async def _finish(call: Any) -> None:
+    """Half-close like Envoy and let pdproc end the stream (bounded)."""
+    with_eof = True
+    try:
+        await call.done_writing()
+    except (grpc.aio.UsageError, grpc.aio.AioRpcError):
+        with_eof = False
+    if with_eof:
+        async with asyncio.timeout(READ_TIMEOUT_S):
+            while await call.read() is not grpc.aio.EOF:
+                pass
+
+
+async def play(
+    stub: pb_grpc.ExternalProcessorStub,
+    body: bytes,
+    *,
+    prefill: str | bytes | None = None,
+    path: str = CHAT_PATH,
+    decode_status: str = "200",
+    extra_headers: dict[str, str | bytes] | None = None,
+    single_message: bool = False,
+) -> Outcome:
+    """One request as Envoy drives it: returns what the client and the decode saw."""
+    request_id = f"sec-{next(_ids)}"
+    answers: list[pb.ProcessingResponse] = []
+    call = stub.Process()
+    try:
+        if single_message:
+            value = prefill.decode("latin-1") if isinstance(prefill, bytes) else prefill
+            await call.write(single_message_body(body, path, value, request_id))
+            message = await _read_answer(call, answers)
+            if message.HasField("immediate_response"):
+                return _ended(message, answers)
+            forwarded = _forwarded(message, body)
+        else:
+            headers: dict[str, str | bytes] = {
+                ":method": "POST",
+                ":path": path,
+                ":authority": "gateway",
+                "content-type": "application/json",
+                "x-request-id": request_id,
+                **(extra_headers or {}),
+            }
+            if prefill is not None:
+                headers[PREFILL_HEADER] = prefill
+            await call.write(request_headers(headers))
+            message = await _read_answer(call, answers)
+            if message.HasField("immediate_response"):
+                return _ended(message, answers)
+            mode = message.mode_override if message.HasField("mode_override") else None
+            if mode is not None and mode.request_body_mode == ProcessingMode.NONE:
+                # Pass-through: Envoy forwards the client's body unchanged, asks nothing more.
+                return Outcome(int(decode_status), body, answers=answers)
+            await call.write(
+                pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+            )
+            message = await _read_answer(call, answers)
+            if message.HasField("immediate_response"):
+                return _ended(message, answers)
+            forwarded = _forwarded(message, body)
+            if mode is not None and mode.response_header_mode == ProcessingMode.SKIP:
+                return Outcome(int(decode_status), forwarded, answers=answers)
+        # The decode answers; Envoy sends its response headers and waits for pdproc.
+        await call.write(response_headers(decode_status))
+        message = await _read_answer(call, answers)
+        if message.HasField("immediate_response"):
+            return _ended(message, answers)
+        assert message.WhichOneof("response") == "response_headers", message
+        return Outcome(int(decode_status), forwarded, answers=answers)
+    finally:
+        await _finish(call)
+
+
+def _forwarded(message: pb.ProcessingResponse, body: bytes) -> bytes:
+    """The body Envoy sends on after pdproc's body answer."""
+    assert message.WhichOneof("response") == "request_body", message
+    common = message.request_body.response
+    if common.HasField("body_mutation"):
+        return bytes(common.body_mutation.body)
+    return body
