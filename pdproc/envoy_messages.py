@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import TypeAlias
 
-from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
-from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.type.v3.http_status_pb2 import HttpStatus
-
+from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from pdproc._proto.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import (
+    ProcessingMode,
+)
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from pdproc._proto.envoy.type.v3.http_status_pb2 import HttpStatus
 from pdproc.errors import ErrorReply
 from pdproc.targets import PREFILL_HEADER
 

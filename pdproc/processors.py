@@ -21,10 +21,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from opentelemetry.trace import Span
 
 from pdproc import envoy_messages as msg
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.breaker import POD_DOWN
 from pdproc.config import BootstrapPolicy
 from pdproc.connectors import ClientRequest, EngineMap, OnFailure

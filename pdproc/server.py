@@ -12,11 +12,11 @@ from pathlib import Path
 import aiohttp
 import grpc
 from aiohttp import web
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.bootstrap import EngineMaps
 from pdproc.breaker import CircuitBreakers
 from pdproc.config import KvConnector, Settings

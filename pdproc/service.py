@@ -13,9 +13,8 @@ import logging
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.bootstrap import EngineMaps
 from pdproc.breaker import CircuitBreakers
 from pdproc.config import BootstrapPolicy, Settings

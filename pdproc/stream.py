@@ -17,9 +17,9 @@ from enum import Enum
 from typing import TYPE_CHECKING, TypeAlias
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from pdproc import envoy_messages as msg
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.errors import ErrorKind, ErrorReply
 from pdproc.processors import Deferred, RequestProcessor
 

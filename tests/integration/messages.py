@@ -7,8 +7,9 @@ from typing import Any
 
 import grpc
 import orjson
-from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 50}
 

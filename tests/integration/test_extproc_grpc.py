@@ -14,11 +14,13 @@ import grpc
 import httpx
 import orjson
 import pytest
-from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
 
+from pdproc._proto.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import (
+    ProcessingMode,
+)
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.config import BootstrapPolicy, Settings
 from pdproc.server import Server
 from pdproc.targets import AllowList, HostPort

@@ -13,13 +13,13 @@ from typing import Any
 import grpc
 import orjson
 import pytest
-from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
 
+from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.config import Settings
 from pdproc.server import Server
 from pdproc.targets import AllowList, HostPort

@@ -9,13 +9,13 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
 
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.config import Settings
 from pdproc.server import Server
 from pdproc.targets import AllowList, HostPort

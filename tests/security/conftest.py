@@ -20,10 +20,10 @@ import aiohttp
 import httpx
 import orjson
 import pytest
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc_sim.devstack import Stack, http_get, running_stack
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.config import Settings
 from pdproc.server import Server
 from pdproc.service import ExtProcService

@@ -12,11 +12,14 @@ from typing import Any
 
 import grpc
 import orjson
-from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
-from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from google.protobuf.struct_pb2 import Struct
+
+from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from pdproc._proto.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import (
+    ProcessingMode,
+)
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from pdproc._proto.google.protobuf.struct_pb2 import Struct
 
 CHAT_PATH = "/v1/chat/completions"
 PREFILL_HEADER = "x-prefiller-host-port"

@@ -1,0 +1,74 @@
+"""Suite-wide guard: under `make test` (PDPROC_TEST_INSTALLED=1) the code under test is the
+installed wheels in the test virtualenv, never the checkout. A run that would import the
+checkout's `pdproc` (or an editable install) stops before the first test."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+INSTALLED = os.environ.get("PDPROC_TEST_INSTALLED") == "1"
+# Import package -> distribution that must provide it from site-packages.
+ARTEFACTS = {"pdproc": "pdproc", "pdproc_sim": "pdproc-sim"}
+
+
+def installed_problems() -> list[str]:
+    """Why the imported pdproc / pdproc_sim are not the installed wheels (empty: they are)."""
+    site = Path(sysconfig.get_paths()["purelib"]).resolve()
+    problems = []
+    for module_name, dist_name in ARTEFACTS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            problems.append(f"{module_name} is not importable: {exc}")
+            continue
+        where = Path(module.__file__ or "").resolve()
+        if site not in where.parents:
+            problems.append(f"{module_name} comes from {where}, not from {site}")
+        try:
+            dist = importlib.metadata.distribution(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            problems.append(f"distribution {dist_name} is not installed")
+            continue
+        direct = json.loads(dist.read_text("direct_url.json") or "{}")
+        if direct.get("dir_info", {}).get("editable") or not direct.get("url", "").endswith(".whl"):
+            problems.append(f"{dist_name} is not installed from a wheel: {direct or 'no URL'}")
+    # Nothing ahead of site-packages on sys.path may hold a copy of the packages (the
+    # checkout is allowed behind it, for tests/ and bench/).
+    for entry in sys.path:
+        path = Path(entry or ".").resolve()
+        if path == site:
+            break
+        shadows = [name for name in ARTEFACTS if (path / name / "__init__.py").exists()]
+        if shadows:
+            problems.append(f"{path} is ahead of site-packages on sys.path and holds {shadows}")
+    script = Path(sys.executable).with_name("pdproc")
+    if not script.exists():
+        problems.append(f"no pdproc console script next to {sys.executable}")
+    return problems
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not INSTALLED:
+        return
+    problems = installed_problems()
+    if problems:
+        pytest.exit(
+            "PDPROC_TEST_INSTALLED=1 but the tests would not test the installed wheels:\n  "
+            + "\n  ".join(problems),
+            returncode=3,
+        )
+
+
+def pytest_report_header() -> list[str]:
+    import pdproc
+
+    mode = "installed wheels" if INSTALLED else "development install"
+    return [f"pdproc {pdproc.__version__} from {Path(pdproc.__file__ or '').parent} ({mode})"]
