@@ -187,6 +187,12 @@ class Settings:
         _non_negative,
     )
     prefill_timeout: float = _setting(60.0, "Prefill request timeout, seconds.", _positive)
+    envoy_message_timeout: float = _setting(
+        10.0,
+        "The ext_proc filter's message_timeout, seconds: an answer pdproc holds for less "
+        "than this costs no extra message.",
+        _positive,
+    )
     # Must not exceed the filter's max_message_timeout, or Envoy ignores our hold request.
     envoy_max_message_timeout: float = _setting(
         300.0,

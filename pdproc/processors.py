@@ -48,10 +48,13 @@ _OVERLOADED = ErrorReply(
 
 @dataclass(frozen=True, slots=True)
 class Deferred:
-    """An answer that comes later: `now` (if any) is written at once, `later` when ready."""
+    """An answer that comes later. Envoy gives up on it after its message_timeout, so if it
+    is not ready `hold_after` seconds from now, `hold` (a longer timeout) is written first:
+    the usual short wait costs no extra message."""
 
-    now: msg.Response | None
     later: Awaitable[msg.Response]
+    hold: msg.Response
+    hold_after: float
 
 
 Answer: TypeAlias = "msg.Response | Deferred"
@@ -266,21 +269,25 @@ class Disaggregated(_BodyChecks):
         self._busy_s += time.perf_counter() - started
         service.metrics.processing_seconds.observe(self._busy_s)
         if sequential or legs.decode_body is None:
-            # The body's answer waits for the prefill; Envoy is told to wait that long.
-            return Deferred(self._hold_for(job), self._after_prefill(job, checked))
+            # The body's answer waits for the prefill (Envoy is told to wait if it must).
+            return self._deferred(job, self._after_prefill(job, checked))
         job.outcome.add_done_callback(self._prefill_done)
         return self._decode(legs.decode_body)
 
     def _decode(self, body: bytes) -> msg.Response:
         return msg.body_response(body, content_length=not self.context.single_message)
 
-    def _hold_for(self, job: PrefillJob) -> msg.Response:
-        """One override sized for the rest of the prefill: Envoy honours only the first per
-        message, and caps it at the filter's max_message_timeout."""
-        launcher = self.context.service.launcher
-        remaining = launcher.timeout_s - (time.perf_counter() - job.started)
-        ceiling = self.context.service.settings.envoy_max_message_timeout
-        return msg.hold(min(max(remaining, 0.0) + 1.0, ceiling))
+    def _deferred(self, job: PrefillJob, later: Awaitable[msg.Response]) -> Deferred:
+        """An answer that waits for the prefill. The override asking Envoy to wait is sized
+        for the rest of the prefill (Envoy honours only the first per message, capped at
+        the filter's max_message_timeout), and only sent when the wait nears Envoy's
+        message_timeout."""
+        settings = self.context.service.settings
+        remaining = self.context.service.launcher.timeout_s - (time.perf_counter() - job.started)
+        hold = msg.hold(min(max(remaining, 0.0) + 1.0, settings.envoy_max_message_timeout))
+        # Leave the override time to reach Envoy before its own timer fires.
+        timeout = settings.envoy_message_timeout
+        return Deferred(later, hold, hold_after=max(timeout - 2.0, timeout / 2))
 
     async def _after_prefill(self, job: PrefillJob, request: ClientRequest) -> msg.Response:
         """Sequential connectors: the decode leg once the prefill has answered."""
@@ -333,7 +340,7 @@ class Disaggregated(_BodyChecks):
         if not status.startswith("2"):
             # The decode failed on its own: the client sees its error; the prefill carries on.
             return msg.CONTINUE_RESPONSE_HEADERS
-        return Deferred(self._hold_for(job), self._held(job))
+        return self._deferred(job, self._held(job))
 
     async def _held(self, job: PrefillJob) -> msg.Response:
         started = time.perf_counter()

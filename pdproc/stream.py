@@ -28,9 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ServicerContext: TypeAlias = (
-    "grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse]"
-)
+ServicerContext: TypeAlias = "grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse]"
 
 
 class Phase(Enum):
@@ -141,14 +139,24 @@ class Stream:
 
     async def _deliver(self, answer: msg.Response | Deferred) -> None:
         if isinstance(answer, Deferred):
-            if answer.now is not None:
-                await self._write(answer.now)
             self._later = asyncio.get_running_loop().create_task(self._write_later(answer))
         else:
             await self._write(answer)
 
     async def _write_later(self, deferred: Deferred) -> None:
-        await self._write(await deferred.later)
+        """Write a deferred answer; if it keeps Envoy waiting long, ask Envoy to wait."""
+        loop = asyncio.get_running_loop()
+        held: list[asyncio.Task[None]] = []
+        timer = loop.call_later(
+            deferred.hold_after, lambda: held.append(loop.create_task(self._write(deferred.hold)))
+        )
+        try:
+            answer = await deferred.later
+        finally:
+            timer.cancel()
+        if held:
+            await held[0]  # the override goes out before the answer it makes room for
+        await self._write(answer)
 
     async def _write(self, response: msg.Response) -> None:
         async with self._write_lock:
