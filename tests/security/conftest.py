@@ -104,7 +104,7 @@ def pd_settings(pod: HostilePod | None, **overrides: Any) -> Settings:
         prefill_timeout=10.0,
         bootstrap_timeout=5.0,
         engine_refresh=0.0,
-        drain_timeout=5.0,
+        drain_timeout=11.0,
         shutdown_delay=0.0,
     )
     return replace(base, **overrides)
@@ -152,7 +152,7 @@ async def eventually(check: Callable[[], Any], timeout_s: float = SECONDS) -> No
 # -- the real stack, for the attacks a client makes ---------------------------------------
 
 SIM_ARGS = ["--dp-ranks", "2", "--kv-timeout-s", "20"]
-PDPROC_ARGS = ["--shutdown-delay", "0", "--drain-timeout", "5", "--prefill-timeout", "10"]
+PDPROC_ARGS = ["--shutdown-delay", "0", "--drain-timeout", "11", "--prefill-timeout", "10"]
 
 
 @pytest.fixture(scope="session", params=["two-message", "single-message"])

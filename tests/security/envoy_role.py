@@ -32,7 +32,9 @@ class Outcome:
     """How one request ended, as the client and the decode pod would see it."""
 
     status: int  # the client's status: the decode's when pdproc let it answer
-    decode_body: bytes | None  # what Envoy forwards to the decode (None: nothing)
+    # What Envoy forwarded to the decode (None: nothing). A request aborted after its body
+    # was answered has both: the decode got this body, then Envoy reset it.
+    decode_body: bytes | None
     error: dict[str, Any] | None = None  # pdproc's own JSON error answer
     error_kind: str | None = None  # its x-pdproc-error header
     raw_error: bytes = b""
@@ -116,7 +118,11 @@ async def _read_answer(call: Any, answers: list[pb.ProcessingResponse]) -> pb.Pr
             return message
 
 
-def _ended(message: pb.ProcessingResponse, answers: list[pb.ProcessingResponse]) -> Outcome:
+def _ended(
+    message: pb.ProcessingResponse,
+    answers: list[pb.ProcessingResponse],
+    forwarded: bytes | None = None,
+) -> Outcome:
     immediate = message.immediate_response
     kinds = {h.header.key: h.header.raw_value for h in immediate.headers.set_headers}
     kind = kinds.get("x-pdproc-error")
@@ -126,7 +132,7 @@ def _ended(message: pb.ProcessingResponse, answers: list[pb.ProcessingResponse])
         error = None
     return Outcome(
         status=immediate.status.code,
-        decode_body=None,
+        decode_body=forwarded,
         error=error if isinstance(error, dict) else None,
         error_kind=kind.decode() if kind is not None else None,
         raw_error=immediate.body,
@@ -197,11 +203,12 @@ async def play(
             forwarded = _forwarded(message, body)
             if mode is not None and mode.response_header_mode == ProcessingMode.SKIP:
                 return Outcome(int(decode_status), forwarded, answers=answers)
-        # The decode answers; Envoy sends its response headers and waits for pdproc.
+        # The decode answers; Envoy sends its response headers and waits for pdproc (an
+        # abort may already be on its way: then it is the next message read).
         await call.write(response_headers(decode_status))
         message = await _read_answer(call, answers)
         if message.HasField("immediate_response"):
-            return _ended(message, answers)
+            return _ended(message, answers, forwarded)
         assert message.WhichOneof("response") == "response_headers", message
         return Outcome(int(decode_status), forwarded, answers=answers)
     finally:

@@ -118,9 +118,11 @@ class HostilePod:
         chunks: Callable[[], Iterator[bytes]],
         max_bytes: int,
         status: int = 200,
+        interval_s: float = 0.0,
     ) -> Handler:
-        """Answer `status`, then write the chunks until the client hangs up, the chunks
-        run out or `max_bytes` have been written; what happened is appended to `streams`."""
+        """Answer `status`, then write the chunks (one per `interval_s`) until the client
+        hangs up, the chunks run out or `max_bytes` have been written; what happened is
+        appended to `streams`."""
 
         async def handler(request: web.Request) -> web.StreamResponse:
             report = Streamed()
@@ -136,6 +138,8 @@ class HostilePod:
                             break
                         await response.write(chunk)
                         report.sent += len(chunk)
+                        if interval_s:
+                            await asyncio.sleep(interval_s)
             except (ConnectionError, TimeoutError):
                 report.disconnected = True
             except asyncio.CancelledError:
@@ -209,12 +213,18 @@ def padding(chunk: int = CHUNK) -> Callable[[], Iterator[bytes]]:
     return chunks
 
 
-def huge_engine_map(chunk: int = CHUNK) -> Callable[[], Iterator[bytes]]:
-    """A valid-looking `/query` answer whose engine id is padded without end."""
+def huge_engine_map(total: int, chunk: int = CHUNK) -> Callable[[], Iterator[bytes]]:
+    """A valid `/query` answer of `total` bytes (a rank padded with filler), streamed."""
+    head, tail = b'{"0": {"engine_id": "e0", "pad": "', b'"}}'
 
     def chunks() -> Iterator[bytes]:
-        yield b'{"0": {"engine_id": "e0", "pad": "'
-        yield from padding(chunk)()
+        yield head
+        left = total - len(head) - len(tail)
+        block = b"x" * chunk
+        while left > 0:
+            yield block[: min(chunk, left)]
+            left -= chunk
+        yield tail
 
     return chunks
 

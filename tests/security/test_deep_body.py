@@ -36,7 +36,8 @@ KV = b'"kv_transfer_params":{"do_remote_prefill":true,"remote_bootstrap_addr":"h
 def assert_bad_request(status: int, kind: str | None, error: dict[str, Any] | None) -> None:
     assert status == 400
     assert kind == "bad_request"
-    assert error is not None and error["type"] == "BadRequestError"
+    assert error is not None
+    assert error["type"] == "BadRequestError"
 
 
 @pytest.mark.e2e
@@ -93,5 +94,6 @@ async def test_deep_bodies_touch_no_breaker_no_cache_no_pod(
     assert pod.hits["prefill"] == 0
     normal = await pd.play(CHAT_BYTES, prefill=pod.address)
     assert normal.disaggregated
-    assert normal.kv_params is not None and normal.kv_params["remote_engine_id"] == "e0"
+    assert normal.kv_params is not None
+    assert normal.kv_params["remote_engine_id"] == "e0"
     assert pod.hits["prefill"] == 1

@@ -1,0 +1,129 @@
+"""Attack 5: unbounded per-target state from client-chosen ports.
+
+Any port of an allowed host is an allowed target (as in llm-d), so whoever can set
+`x-prefiller-host-port` chooses from 65,535 targets per host. At c46c4db every target got
+a breaker, `/metrics` series of its own and an engine-cache entry (one `/query` per port):
+state and scrape size grew with what clients sent. Now breakers and per-target series are
+bounded by `--max-targets` (least recently used forgotten) and the engine cache is keyed by
+host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from .conftest import CHAT_BYTES, SECONDS, Pd, eventually
+from .envoy_role import Outcome
+from .pods import HostilePod, engine_map, gated
+
+MAX_TARGETS = 50
+PORTS = 300
+
+
+def closed_ports(count: int) -> list[int]:
+    """Ports nothing listens on (just released by the kernel: connection refused)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@contextlib.contextmanager
+def silent_listeners(count: int) -> Iterator[list[socket.socket]]:
+    """Ports that accept connections (in the kernel's backlog) and never answer."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(8)
+        yield sockets
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+async def burst(pd: Pd, pod: HostilePod, ports: list[int]) -> list[Outcome]:
+    """One request per port, all with their bodies inside pdproc before the (gated)
+    bootstrap answers: every one of them needs the engine map of the same host."""
+    gate = asyncio.Event()
+    pod.on_query = gated(engine_map({"0": {"engine_id": "e0"}}), gate)
+    tasks = [
+        asyncio.create_task(pd.play(CHAT_BYTES, prefill=f"127.0.0.1:{port}")) for port in ports
+    ]
+    try:
+        # Every body is held (counted in the in-flight budget) while it waits for the map.
+        held = len(ports) * len(CHAT_BYTES)
+        await eventually(lambda: pd.sample("pdproc_request_body_bytes_in_flight") == held)
+        gate.set()
+        async with asyncio.timeout(SECONDS):
+            return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def test_client_chosen_ports_leave_bounded_state_and_one_query(
+    pod: HostilePod, make_pdproc: Any
+) -> None:
+    pd: Pd = await make_pdproc(pod, max_targets=MAX_TARGETS)
+
+    # Prefills in flight to 300 ports at once: the per-target gauge stays bounded.
+    with silent_listeners(PORTS) as listeners:
+        ports = [sock.getsockname()[1] for sock in listeners]
+        running = asyncio.create_task(burst(pd, pod, ports))
+        await eventually(lambda: pd.service.launcher.total_in_flight == PORTS)
+        in_flight = await pd.series("pdproc_prefills_in_flight")
+        assert 0 < len(in_flight) <= MAX_TARGETS + 1  # plus the shared "other" series
+        assert sum(pd.sample("pdproc_prefills_in_flight", **s) for s in in_flight) == PORTS
+    # Closing the listeners resets the connections: every prefill fails, at once.
+    outcomes = await running
+    assert {o.status for o in outcomes} == {502}
+    assert pod.hits["query"] == 1  # one /query for 300 ports of one host
+
+    # 300 refused connections: each opens its target's breaker; the table is bounded.
+    outcomes = await burst(pd, pod, closed_ports(PORTS))
+    assert {(o.status, o.error_kind) for o in outcomes} == {(502, "prefill_failed")}
+    assert pod.hits["query"] == 2  # again one for all
+    assert 0 < len(pd.service.breakers) <= MAX_TARGETS
+    open_series = await pd.series("pdproc_prefill_breaker_open")
+    assert 0 < len(open_series) <= MAX_TARGETS
+    await eventually(lambda: pd.service.launcher.total_in_flight == 0)
+    left = await pd.series("pdproc_prefills_in_flight")
+    assert left in ([], [{"target": "other"}])  # only the shared series may stay, at 0
+    assert pd.sample("pdproc_prefills_in_flight", target="other") == 0
+    # The pod itself is still served.
+    pod.on_query = engine_map({"0": {"engine_id": "e0"}})
+    assert (await pd.play(CHAT_BYTES, prefill=pod.address)).disaggregated
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "pdproc bug: a failed prefill to ANY port of a host drops that host's engine-id map "
+        "(ExtProcService.on_prefill_outcome -> EngineMaps.invalidate, keyed by host), so a "
+        "client naming closed ports of an allowed prefill host forces one bootstrap /query "
+        "per request and a cache miss on every other user's next request"
+    ),
+)
+async def test_failures_on_client_chosen_ports_do_not_thrash_the_engine_cache(
+    pod: HostilePod, make_pdproc: Any
+) -> None:
+    pd: Pd = await make_pdproc(pod, max_targets=MAX_TARGETS)
+    assert (await pd.play(CHAT_BYTES, prefill=pod.address)).disaggregated
+    assert pod.hits["query"] == 1
+    for port in closed_ports(20):
+        outcome = await pd.play(CHAT_BYTES, prefill=f"127.0.0.1:{port}")
+        assert (outcome.status, outcome.error_kind) == (502, "prefill_failed")
+    assert (await pd.play(CHAT_BYTES, prefill=pod.address)).disaggregated
+    # Nothing about the bootstrap server (the only source of the map) has changed.
+    assert pod.hits["query"] == 1, f"{pod.hits['query']} /query for one host"
