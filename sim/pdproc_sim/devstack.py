@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -249,7 +249,10 @@ def start_envoy(
     concurrency: int = 1,
     listen_port: int = 0,
     extra_options: dict[str, Any] | None = None,
+    config_hook: Callable[[dict[str, Any]], None] | None = None,
 ) -> Envoy:
+    """Envoy with `pdproc envoy-config`'s bootstrap; `config_hook` may change the parsed
+    bootstrap first (a test adding what the generator does not offer, e.g. tracing)."""
     listen = HostPort("127.0.0.1", listen_port or free_port())
     admin = HostPort("127.0.0.1", free_port())
     options = EnvoyOptions(
@@ -261,7 +264,14 @@ def start_envoy(
         **{"access_log": True, **(extra_options or {})},
     )
     config = workdir / f"envoy-{listen.port}.yaml"
-    config.write_text(render(options), "utf-8")
+    text = render(options)
+    if config_hook is not None:
+        import yaml
+
+        bootstrap = yaml.safe_load(text)
+        config_hook(bootstrap)
+        text = yaml.safe_dump(bootstrap, sort_keys=False)
+    config.write_text(text, "utf-8")
     argv = [
         envoy_binary(),
         "-c",
@@ -355,6 +365,8 @@ def running_stack(
     pool: bool = False,
     host: str = "127.0.0.1",
     envoy_options: dict[str, Any] | None = None,
+    envoy_config_hook: Callable[[dict[str, Any]], None] | None = None,
+    pdproc_env: dict[str, str] | None = None,
     kv_connector: str | None = None,
 ) -> Iterator[Stack]:
     """The stack on loopback. `pool=True` makes the simulated prefill pdproc's static pool,
@@ -372,7 +384,7 @@ def running_stack(
         if kv_connector == "sglang":
             args += ["--sglang-bootstrap-port", str(sim.bootstrap.port)]
         args += [*(["--prefill", str(sim.prefill)] if pool else []), *pdproc_args]
-        proc, addr, metrics = start_pdproc(workdir, args, host=host)
+        proc, addr, metrics = start_pdproc(workdir, args, host=host, env=pdproc_env)
         cleanup.callback(proc.stop)
         envoy = start_envoy(
             workdir,
@@ -381,6 +393,7 @@ def running_stack(
             concurrency=envoy_concurrency,
             listen_port=envoy_port,
             extra_options=envoy_options,
+            config_hook=envoy_config_hook,
         )
         cleanup.callback(envoy.process.stop)
         stack = Stack(workdir, sim, proc, addr, metrics, envoy, args)

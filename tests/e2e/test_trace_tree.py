@@ -1,0 +1,202 @@
+"""One trace from Envoy through pdproc to the prefill pod.
+
+Envoy runs with its OpenTelemetry tracer on and pdproc with `OTEL_TRACES_EXPORTER=otlp`;
+both export to an OTLP collector this test runs on loopback. The client sends no trace
+context: Envoy starts the trace, and hands its context to pdproc in the ext_proc call's
+gRPC metadata (it injects HTTP headers only at the router). pdproc's spans must join
+that trace, and the prefill request must carry it on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from pdproc_sim.devstack import free_port, running_stack
+
+from .conftest import eventually
+
+pytestmark = pytest.mark.e2e
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+
+
+@dataclass(frozen=True)
+class Span:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    attributes: dict[str, Any]
+
+
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self._lock = threading.Lock()
+
+    def Export(self, request: Any, context: Any) -> Any:
+        with self._lock:
+            for resource_spans in request.resource_spans:
+                resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+                for scope in resource_spans.scope_spans:
+                    for span in scope.spans:
+                        self.spans.append(
+                            Span(
+                                resource.get("service.name", ""),
+                                span.name,
+                                span.trace_id.hex(),
+                                span.span_id.hex(),
+                                span.parent_span_id.hex(),
+                                {a.key: _value(a.value) for a in span.attributes},
+                            )
+                        )
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def snapshot(self) -> list[Span]:
+        with self._lock:
+            return list(self.spans)
+
+
+def _value(value: Any) -> Any:
+    kind = value.WhichOneof("value")
+    return getattr(value, kind) if kind else None
+
+
+@pytest.fixture(scope="module")
+def collector() -> Iterator[tuple[Collector, int]]:
+    servicer = Collector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(servicer, server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    yield servicer, port
+    server.stop(grace=None)
+
+
+def with_envoy_tracing(port: int) -> Any:
+    """Envoy's OpenTelemetry tracer, every request sampled, spans to the collector."""
+
+    def hook(bootstrap: dict[str, Any]) -> None:
+        listener = bootstrap["static_resources"]["listeners"][0]
+        manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        manager["tracing"] = {
+            "random_sampling": {"value": 100},
+            "provider": {
+                "name": "envoy.tracers.opentelemetry",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": "otel"}, "timeout": "1s"},
+                    "service_name": "gateway",
+                },
+            },
+        }
+        bootstrap["static_resources"]["clusters"].append(
+            {
+                "name": "otel",
+                "type": "STATIC",
+                "connect_timeout": "1s",
+                "typed_extension_protocol_options": {
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": "type.googleapis.com/"
+                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                        "explicit_http_config": {"http2_protocol_options": {}},
+                    }
+                },
+                "load_assignment": {
+                    "cluster_name": "otel",
+                    "endpoints": [
+                        {
+                            "lb_endpoints": [
+                                {
+                                    "endpoint": {
+                                        "address": {
+                                            "socket_address": {
+                                                "address": "127.0.0.1",
+                                                "port_value": port,
+                                            }
+                                        }
+                                    }
+                                }
+                            ]
+                        }
+                    ],
+                },
+            }
+        )
+
+    return hook
+
+
+@pytest.mark.parametrize("mode", ["two-message", "single-message"])
+def test_one_trace_from_envoy_through_pdproc_to_the_prefill(
+    collector: tuple[Collector, int], mode: str
+) -> None:
+    servicer, port = collector
+    env = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "OTEL_SERVICE_NAME": "pdproc-under-test",
+        "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=e2e",
+    }
+    options = {"single_message": mode == "single-message"}
+    with running_stack(
+        ["--itl-ms", "5"],
+        envoy_options=options,
+        envoy_config_hook=with_envoy_tracing(port),
+        pdproc_env=env,
+    ) as st:
+        response = httpx.post(
+            st.envoy.url + "/v1/chat/completions",
+            json=CHAT,
+            headers={"x-prefiller-host-port": str(st.sim.prefill)},
+            timeout=30,
+        )
+        assert response.status_code == 200
+        prefill = st.sim_get("prefill", "/sim/requests")["requests"][-1]
+
+        def request_span() -> Span | None:
+            spans = servicer.snapshot()
+            return (
+                next((s for s in spans if s.name == "pdproc.request"), None)
+                if any(s.name == "pdproc.prefill" for s in spans)
+                and any(s.service == "gateway" for s in spans)
+                else None
+            )
+
+        ours: Span = eventually(request_span, timeout_s=30)
+        time.sleep(0.5)  # the gateway's last spans
+        spans = [s for s in servicer.snapshot() if s.trace_id == ours.trace_id]
+        servicer.spans.clear()
+
+    by_id = {s.span_id: s for s in spans}
+    gateway = [s for s in spans if s.service == "gateway"]
+    assert gateway, "Envoy's spans are not in pdproc's trace"
+    # pdproc's request span hangs under one of Envoy's spans: a single tree, not a new root
+    # and not a sibling parented on a client's context.
+    assert ours.parent_id in by_id
+    assert by_id[ours.parent_id].service == "gateway"
+    assert ours.service == "pdproc-under-test"  # OTEL_SERVICE_NAME is honoured
+    assert ours.attributes["rpc.system"] == "grpc"
+    assert ours.attributes["rpc.method"] == "Process"
+    (prefill_span,) = [s for s in spans if s.name == "pdproc.prefill"]
+    assert prefill_span.parent_id == ours.span_id
+    assert prefill_span.attributes["server.address"] == "127.0.0.1"
+    assert prefill_span.attributes["server.port"] == st.sim.prefill.port
+    # The prefill pod received the trace context of pdproc's prefill span.
+    traceparent = prefill["headers"]["traceparent"]
+    assert traceparent.split("-")[1:3] == [ours.trace_id, prefill_span.span_id]
+    roots = [s for s in spans if s.parent_id not in by_id]
+    assert len(roots) == 1
+    assert roots[0].service == "gateway"
