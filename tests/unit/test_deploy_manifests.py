@@ -252,6 +252,35 @@ MUTATIONS = [
         "  - from: []\n",
         "port grpc is open to every source",
     ),
+    # --- TLS between the gateway and pdproc, autoscaling (deploy/examples)
+    Mutation(
+        "eg-tls-without-backendtlspolicy",
+        "deploy/examples/envoy-gateway-production/kustomization.yaml",
+        "- ../../envoy-gateway/tls\n",
+        "",
+        "pdproc serves TLS but no BackendTLSPolicy targets Service pdproc",
+    ),
+    Mutation(
+        "istio-tls-without-client-certificate",
+        "deploy/istio/tls/kustomization.yaml",
+        "mode: MUTUAL",
+        "mode: SIMPLE",
+        "tls mode must be MUTUAL",
+    ),
+    Mutation(
+        "tls-name-not-on-the-certificate",
+        "deploy/envoy-gateway/tls/backendtlspolicy.yaml",
+        "hostname: pdproc.inference.svc.cluster.local",
+        "hostname: pdproc.other.svc.cluster.local",
+        "verifies the name pdproc.other.svc.cluster.local, which Certificate pdproc-server",
+    ),
+    Mutation(
+        "hpa-and-fixed-replicas",
+        "deploy/kubernetes/components/hpa/kustomization.yaml",
+        "    - op: remove\n      path: /spec/replicas",
+        "    - op: add\n      path: /spec/minReadySeconds\n      value: 0",
+        "an HPA scales it: drop spec.replicas",
+    ),
     # --- monitoring
     Mutation(
         "promql-syntax",

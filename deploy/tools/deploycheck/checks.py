@@ -142,6 +142,7 @@ def check_set(name: str, docs: list[Doc], ctx: Context, report: Report) -> None:
         _istio,
         _epp,
         _network_policies,
+        _tls,
         _monitoring,
         _placeholders,
     ]
@@ -729,6 +730,106 @@ def _network_policies(
     for needed in ("grpc", "metrics"):
         if needed in ports and needed not in allowed:
             report.error(policies[0].where, f"no ingress rule for pdproc's {needed} port")
+
+
+# ------------------------------------------------------------------------------ TLS
+
+
+def _tls(docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report) -> None:
+    """pdproc serving TLS (PDPROC_TLS_CERT) and the gateway speaking it must go together, as
+    must a required client certificate (PDPROC_TLS_CLIENT_CA) and the gateway presenting one;
+    the certificate files must come from a mounted volume."""
+    found = pdproc_container(docs)
+    if found is None:
+        return
+    w, c = found
+    env = env_of(c)
+    mounts = [m["mountPath"].rstrip("/") + "/" for m in c.get("volumeMounts", [])]
+    for key in ("PDPROC_TLS_CERT", "PDPROC_TLS_KEY", "PDPROC_TLS_CLIENT_CA"):
+        path = str(env.get(key) or "")
+        if path and not any(path.startswith(m) for m in mounts):
+            report.error(w.where, f"{key}={path} is on no mounted volume")
+    tls, mtls = bool(env.get("PDPROC_TLS_CERT")), bool(env.get("PDPROC_TLS_CLIENT_CA"))
+    gateways = {d.spec.get("gatewayClassName") for d in docs if d.kind == "Gateway"}
+    if "eg" in gateways:
+        policies = [
+            d
+            for d in docs
+            if d.kind == "BackendTLSPolicy"
+            and any(
+                r.get("kind") == "Service" and r.get("name") == PDPROC
+                for r in d.spec.get("targetRefs", [])
+            )
+        ]
+        client = any(
+            ((d.spec.get("backendTLS") or {}).get("clientCertificateRef") or {}).get("name")
+            for d in docs
+            if d.kind == "EnvoyProxy"
+        )
+        if tls and not policies:
+            report.error(
+                w.where,
+                "pdproc serves TLS but no BackendTLSPolicy targets Service pdproc: the "
+                "gateway would speak cleartext to it",
+            )
+        if policies and not tls:
+            report.error(
+                policies[0].where,
+                "BackendTLSPolicy for pdproc, but pdproc serves cleartext (no PDPROC_TLS_CERT)",
+            )
+        if mtls and not client:
+            report.error(
+                w.where,
+                "pdproc requires a client certificate but the EnvoyProxy sets no "
+                "backendTLS.clientCertificateRef",
+            )
+        for pol in policies:
+            _check_server_name(
+                docs, pol, str(pol.spec.get("validation", {}).get("hostname", "")), report
+            )
+    if "istio" in gateways:
+        for dr in (
+            d
+            for d in docs
+            if d.kind == "DestinationRule" and d.spec.get("host", "").startswith("pdproc.")
+        ):
+            mode = ((dr.spec.get("trafficPolicy") or {}).get("tls") or {}).get("mode", "DISABLE")
+            if tls and mode not in ("SIMPLE", "MUTUAL"):
+                report.error(
+                    dr.where, f"pdproc serves TLS but the DestinationRule's tls mode is {mode}"
+                )
+            if mtls and mode != "MUTUAL":
+                report.error(
+                    dr.where,
+                    "pdproc requires a client certificate: tls mode must be MUTUAL "
+                    "(with credentialName)",
+                )
+            if not tls and mode in ("SIMPLE", "MUTUAL"):
+                report.error(
+                    dr.where, f"tls mode {mode}, but pdproc serves cleartext (no PDPROC_TLS_CERT)"
+                )
+            sni = ((dr.spec.get("trafficPolicy") or {}).get("tls") or {}).get("sni")
+            if sni:
+                _check_server_name(docs, dr, str(sni), report)
+
+
+def _check_server_name(docs: list[Doc], where: Doc, name: str, report: Report) -> None:
+    """The name the gateway verifies must be on pdproc's server certificate (if the set
+    issues it with cert-manager)."""
+    volumes = []
+    found = pdproc_container(docs)
+    if found is not None:
+        volumes = [
+            v.get("secret", {}).get("secretName") for v in pod_spec(found[0]).get("volumes", [])
+        ]
+    for cert in (
+        d for d in docs if d.kind == "Certificate" and d.spec.get("secretName") in volumes
+    ):
+        if name not in cert.spec.get("dnsNames", []):
+            report.error(
+                where.where,
+                f"verifies the name {name}, which Certificate {cert.name} does not carry",
+            )
 
 
 # ------------------------------------------------------------------------------ monitoring
