@@ -7,6 +7,12 @@ another until `--requests` are done or `--time-limit` runs out, whichever comes 
 warm-up requests before that use the same connection pool, so measured requests find their
 connections open.
 
+With `--sync` the measured phase waits for the caller: after the warm-up a line
+`{"phase": "warm"}` goes to stdout and the client waits for a line on stdin; the result line
+follows as soon as the measured phase ends (before the connections are closed). `bench.run`
+reads every process's CPU time at those two points, so CPU per request covers exactly the
+measured requests.
+
 With `--pd-prefill` and `--pd-bootstrap` the client plays the P/D router itself (the same
 bodies pdproc builds, from `pdproc.connectors.mooncake`): prefill and decode go straight to the
 simulator, concurrently. That is the floor of the protocol with no proxy in the way.
@@ -159,6 +165,7 @@ class Plan:
     time_limit_s: float
     request_timeout_s: float
     pd: PdPlan | None
+    sync: bool = False
 
 
 async def _phase(
@@ -200,6 +207,9 @@ async def run(plan: Plan) -> dict[str, Any]:
         warm = Tally()
         if plan.warmup:
             await _phase(session, plan, plan.warmup, time.monotonic() + plan.time_limit_s, warm)
+        if plan.sync:
+            _emit({"phase": "warm", "sent": warm.sent, "failed": warm.failed})
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         measured = Tally()
         cpu_start = _own_cpu_s()
         start = time.perf_counter()
@@ -207,22 +217,30 @@ async def run(plan: Plan) -> dict[str, Any]:
         await _phase(session, plan, plan.requests, deadline, measured)
         wall = time.perf_counter() - start
         cpu = _own_cpu_s() - cpu_start
-    return {
-        "ok": measured.ok,
-        "failed": measured.failed,
-        "errors": dict(measured.errors),
-        "sent": measured.sent,
-        "warmup_sent": warm.sent,
-        "warmup_failed": warm.failed,
-        "warmup_errors": dict(warm.errors),
-        "wall_s": wall,
-        "rps": measured.ok / wall if wall > 0 else 0.0,
-        "hit_time_limit": measured.sent < plan.requests,
-        "client_cpu_s": cpu,
-        "body_bytes": len(plan.body),
-        "ttft_ms": [round(v, 3) for v in measured.ttft_ms],
-        "e2e_ms": [round(v, 3) for v in measured.e2e_ms],
-    }
+        result = {
+            "ok": measured.ok,
+            "failed": measured.failed,
+            "errors": dict(measured.errors),
+            "sent": measured.sent,
+            "warmup_sent": warm.sent,
+            "warmup_failed": warm.failed,
+            "warmup_errors": dict(warm.errors),
+            "wall_s": wall,
+            "rps": measured.ok / wall if wall > 0 else 0.0,
+            "hit_time_limit": measured.sent < plan.requests,
+            "client_cpu_s": cpu,
+            "body_bytes": len(plan.body),
+            "ttft_ms": [round(v, 3) for v in measured.ttft_ms],
+            "e2e_ms": [round(v, 3) for v in measured.e2e_ms],
+        }
+        # Out before the pool closes, so closing connections is not in the caller's bracket.
+        _emit(result)
+    return result
+
+
+def _emit(line: dict[str, Any]) -> None:
+    sys.stdout.buffer.write(orjson.dumps(line) + b"\n")
+    sys.stdout.buffer.flush()
 
 
 def _own_cpu_s() -> float:
@@ -276,6 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--header", type=_header, action="append", default=[])
     parser.add_argument("--pd-prefill", help="client-side P/D: prefill base URL")
     parser.add_argument("--pd-bootstrap", help="client-side P/D: bootstrap base URL")
+    parser.add_argument(
+        "--sync",
+        action="store_true",
+        help='after the warm-up, print {"phase": "warm"} and wait for a line on stdin',
+    )
     return parser
 
 
@@ -298,6 +321,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         time_limit_s=args.time_limit,
         request_timeout_s=args.request_timeout,
         pd=pd,
+        sync=args.sync,
     )
     return await run(plan)
 
@@ -307,11 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import uvloop
     except ImportError:
-        result = asyncio.run(_main(args))
+        asyncio.run(_main(args))
     else:
         # The client should be the cheapest process on the box; uvloop helps every config alike.
-        result = uvloop.run(_main(args))
-    sys.stdout.buffer.write(orjson.dumps(result) + b"\n")
+        uvloop.run(_main(args))
     return 0
 
 

