@@ -397,9 +397,24 @@ def check_compose(repo: Path, env_names: frozenset[str], report: Report) -> None
                 report.error(
                     "docker-compose.yaml", f"{name}: no Dockerfile in build context {context}"
                 )
-    for key in services.get("pdproc", {}).get("environment", {}) or {}:
+    environment = services.get("pdproc", {}).get("environment", {}) or {}
+    for key in environment:
         if key not in env_names and not key.startswith("OTEL_"):
             report.error("docker-compose.yaml", f"pdproc environment {key} is not a pdproc setting")
+    # The same drain budget as the Kubernetes manifests (deploycheck/checks.py).
+    prefill = float(environment.get("PDPROC_PREFILL_TIMEOUT", 60))
+    drain = float(environment.get("PDPROC_DRAIN_TIMEOUT", 30))
+    delay = float(environment.get("PDPROC_SHUTDOWN_DELAY", 2))
+    flush = float(environment.get("OTEL_EXPORTER_OTLP_TIMEOUT", checks.OTLP_TIMEOUT_DEFAULT))
+    grace = checks.seconds(str(services.get("pdproc", {}).get("stop_grace_period", "10s")))
+    if drain < prefill + 1:
+        report.error("docker-compose.yaml", f"pdproc drain {drain:g} s < prefill timeout + 1 s")
+    if grace < delay + drain + flush + 1:
+        report.error(
+            "docker-compose.yaml",
+            f"pdproc stop_grace_period {grace:g} s < shutdown delay + drain + trace flush + 1 s "
+            f"({delay + drain + flush + 1:g} s)",
+        )
     sim_cmd = services.get("sim", {}).get("command", [])
     if list(sim_cmd)[:4] != ["sim", "pair", "--host", "0.0.0.0"]:
         report.error("docker-compose.yaml", "sim must run `pdproc sim pair --host 0.0.0.0`")
