@@ -16,8 +16,6 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
-import pytest
-
 from .conftest import CHAT_BYTES, SECONDS, Pd, eventually
 from .envoy_role import Outcome
 from .pods import HostilePod, engine_map, gated
@@ -77,26 +75,36 @@ async def test_client_chosen_ports_leave_bounded_state_and_one_query(
 ) -> None:
     pd: Pd = await make_pdproc(pod, max_targets=MAX_TARGETS)
 
-    # Prefills in flight to 300 ports at once: the per-target gauge stays bounded.
-    with silent_listeners(PORTS) as listeners:
-        ports = [sock.getsockname()[1] for sock in listeners]
-        running = asyncio.create_task(burst(pd, pod, ports))
-        await eventually(lambda: pd.service.launcher.total_in_flight == PORTS)
-        in_flight = await pd.series("pdproc_prefills_in_flight")
-        assert 0 < len(in_flight) <= MAX_TARGETS + 1  # plus the shared "other" series
-        assert sum(pd.sample("pdproc_prefills_in_flight", **s) for s in in_flight) == PORTS
-    # Closing the listeners resets the connections: every prefill fails, at once.
-    outcomes = await running
-    assert {o.status for o in outcomes} == {502}
-    assert pod.hits["query"] == 1  # one /query for 300 ports of one host
-
-    # 300 refused connections: each opens its target's breaker; the table is bounded.
+    # 300 ports nothing listens on, named at once: one /query for the host, and each
+    # refused connection opens its target's breaker; the breaker table stays bounded.
     outcomes = await burst(pd, pod, closed_ports(PORTS))
     assert {(o.status, o.error_kind) for o in outcomes} == {(502, "prefill_failed")}
-    assert pod.hits["query"] == 2  # again one for all
+    assert pod.hits["query"] == 1
     assert 0 < len(pd.service.breakers) <= MAX_TARGETS
     open_series = await pd.series("pdproc_prefill_breaker_open")
     assert 0 < len(open_series) <= MAX_TARGETS
+
+    # 300 more ports that accept and never answer: prefills in flight to all of them at
+    # once; the per-target gauge stays bounded, and the host's map serves every port.
+    with silent_listeners(PORTS) as listeners:
+        ports = [sock.getsockname()[1] for sock in listeners]
+        running = [
+            asyncio.create_task(pd.play(CHAT_BYTES, prefill=f"127.0.0.1:{port}")) for port in ports
+        ]
+        try:
+            await eventually(lambda: pd.service.launcher.total_in_flight == PORTS)
+            in_flight = await pd.series("pdproc_prefills_in_flight")
+            assert 0 < len(in_flight) <= MAX_TARGETS + 1  # plus the shared "other" series
+            total = sum(pd.sample("pdproc_prefills_in_flight", **s) for s in in_flight)
+            assert total == PORTS
+            assert pod.hits["query"] == 1  # one /query for 600 ports of one host
+        finally:
+            for sock in listeners:
+                sock.close()  # resets the waiting connections: every prefill fails at once
+            async with asyncio.timeout(SECONDS):
+                outcomes = await asyncio.gather(*running)
+    assert {o.status for o in outcomes} == {502}
+    assert 0 < len(pd.service.breakers) <= MAX_TARGETS
     await eventually(lambda: pd.service.launcher.total_in_flight == 0)
     left = await pd.series("pdproc_prefills_in_flight")
     assert left in ([], [{"target": "other"}])  # only the shared series may stay, at 0
@@ -106,18 +114,13 @@ async def test_client_chosen_ports_leave_bounded_state_and_one_query(
     assert (await pd.play(CHAT_BYTES, prefill=pod.address)).disaggregated
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "pdproc bug: a failed prefill to ANY port of a host drops that host's engine-id map "
-        "(ExtProcService.on_prefill_outcome -> EngineMaps.invalidate, keyed by host), so a "
-        "client naming closed ports of an allowed prefill host forces one bootstrap /query "
-        "per request and a cache miss on every other user's next request"
-    ),
-)
 async def test_failures_on_client_chosen_ports_do_not_thrash_the_engine_cache(
     pod: HostilePod, make_pdproc: Any
 ) -> None:
+    """Found by this suite: a refused connection to any port of a host used to drop the
+    host's engine-id map, so a client naming closed ports of an allowed prefill host cost
+    one bootstrap /query per request and every other user a cache miss. A port that refuses
+    connections says nothing about the host's bootstrap server."""
     pd: Pd = await make_pdproc(pod, max_targets=MAX_TARGETS)
     assert (await pd.play(CHAT_BYTES, prefill=pod.address)).disaggregated
     assert pod.hits["query"] == 1
