@@ -27,6 +27,8 @@ from pdproc.telemetry import ATTR_CACHE, ATTR_ENGINES, ATTR_TARGET, Tracing, fai
 
 log = logging.getLogger(__name__)
 
+MIN_REFETCH_S = 1.0
+
 
 class EngineMaps:
     def __init__(
@@ -77,6 +79,12 @@ class EngineMaps:
         return await asyncio.shield(future)
 
     def invalidate(self, target: HostPort) -> None:
+        """Forget the pod's map, unless it was fetched within the last second: failures
+        come in bursts (and a client can aim them at a pod's other ports), but one fresh
+        map per second is enough to follow a restart."""
+        entry = self._cache.get(target.host)
+        if entry is None or time.monotonic() - entry[1] < MIN_REFETCH_S:
+            return
         if self._cache.pop(target.host, None) is not None:
             self._metrics.engine_cache.labels("invalidation").inc()
             log.info("engine-id cache entry dropped", extra={"prefill_target": str(target)})

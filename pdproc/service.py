@@ -16,7 +16,7 @@ from typing import Any
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.bootstrap import EngineMaps
-from pdproc.breaker import CircuitBreakers
+from pdproc.breaker import POD_DOWN, CircuitBreakers
 from pdproc.config import BootstrapPolicy, Settings
 from pdproc.connectors import Connector
 from pdproc.discovery import DnsPool
@@ -157,6 +157,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if outcome.outcome in NOT_THE_POD:
             return  # pdproc's own failure, or the client leaving, says nothing about the pod
         self.breakers.record(job.target, outcome.outcome)
-        if not outcome.ok:
-            # The pod may have restarted with new engine ids: ask again next time.
+        if not outcome.ok and outcome.outcome != POD_DOWN:
+            # The pod may have restarted with new engine ids: ask again next time. (A port
+            # that refuses connections says nothing about the host's bootstrap server, and
+            # any port of an allowed host can be named by a client.)
             self.engines.invalidate(job.target)

@@ -71,6 +71,9 @@ def forget_engine_ids(stack: Stack) -> None:
     stack.sim_post("prefill", "/sim/faults", {"clear": True})
     # A success first: it closes the pod's breaker if an earlier test opened it.
     eventually(lambda: send() == 200)
+    # A map fetched within the last second survives failures (they come in bursts): let
+    # it age, then one failed prefill drops it (one failure: the pod's breaker stays shut).
+    time.sleep(1.1)
     stack.sim_post("prefill", "/sim/faults", {"prefill_status": 500})
     before = stack.metric("pdproc_engine_cache_events_total", event="invalidation")
     send()

@@ -140,11 +140,16 @@ def test_bootstrap_slow_gets_502_after_the_bootstrap_timeout(fresh: Stack) -> No
 def test_engine_id_change_is_picked_up(fresh: Stack) -> None:
     assert request(fresh)[0].status_code == 200  # engine map cached
     fresh.sim_post("prefill", "/sim/restart")  # the pod restarted: new engine ids
-    statuses = [request(fresh)[0].status_code for _ in range(4)]
-    # The first request after the restart still carries a stale id: its decode fails and
-    # that failure drops the cached map, so the next one works.
-    assert statuses[-2:] == [200, 200], statuses
-    assert statuses.count(200) >= 3, statuses
+    statuses: list[int] = []
+
+    def recovered() -> bool:
+        statuses.append(request(fresh)[0].status_code)
+        return statuses[-2:] == [200, 200]
+
+    # Requests after the restart may still carry a stale id: their decode fails and that
+    # failure drops the cached map (at most once a second), so requests work again.
+    eventually(recovered)
+    assert len(statuses) < 40, statuses
     new_ids = set(fresh.sim_get("prefill", "/sim/stats")["engine_ids"].values())
     last = fresh.sim_get("decode", "/sim/requests")["requests"][-1]
     assert last["body"]["kv_transfer_params"]["remote_engine_id"] in new_ids

@@ -358,7 +358,11 @@ async def test_cancelled_stream_leaves_prefill_running(h: Harness) -> None:
     assert h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="pd") == 1
 
 
-async def test_failed_prefill_aborts_before_response(h: Harness) -> None:
+async def test_failed_prefill_aborts_before_response(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As if the engine map had been fetched more than a second ago (see the next test).
+    monkeypatch.setattr("pdproc.bootstrap.MIN_REFETCH_S", 0.0)
     await h.faults(prefill_status=500)
     call = await h.past_headers()
     await call.write(body_msg(CHAT))
@@ -375,6 +379,21 @@ async def test_failed_prefill_aborts_before_response(h: Harness) -> None:
     )
     # The pod may have restarted: its engine ids are asked for again next time.
     assert h.sample("pdproc_engine_cache_events_total", event="invalidation") == 1
+
+
+async def test_a_fresh_engine_map_survives_a_burst_of_failures(h: Harness) -> None:
+    """Failures come in bursts, and a client may aim them at a pod's other ports: a map
+    fetched within the last second is kept, so the bootstrap server is asked once."""
+    await h.faults(prefill_status=500)
+    for _ in range(5):
+        call = await h.past_headers()
+        await call.write(body_msg(CHAT))
+        await recv(call)
+        assert (await recv(call)).immediate_response.status.code == 502
+    assert h.sample("pdproc_engine_cache_events_total", event="invalidation") == 0
+    async with httpx.AsyncClient() as client:
+        stats = (await client.get(h.prefill.url + "/sim/stats")).json()
+    assert stats["bootstrap_queries"] == 1
 
 
 async def test_prefill_timeout_aborts_held_response_with_504(
