@@ -45,11 +45,13 @@ def test_five_deep_bodies_get_400_and_leave_pd_on_for_everyone(fresh: Stack) -> 
     target = str(fresh.sim.prefill)
     invalidations = metric(fresh, "pdproc_engine_cache_events_total", event="invalidation")
     prefills = metric(fresh, "pdproc_prefills_total")
+    refused = metric(fresh, "pdproc_requests_total", outcome="bad_request")
     for _ in range(5):
         response = send(fresh, deep_body(300), target)
         assert_bad_request(
             response.status_code, response.headers.get("x-pdproc-error"), response.json()
         )
+    assert metric(fresh, "pdproc_requests_total", outcome="bad_request") == refused + 5
     assert not has_series(fresh, "pdproc_prefill_breaker_open")
     assert metric(fresh, "pdproc_engine_cache_events_total", event="invalidation") == invalidations
     assert metric(fresh, "pdproc_prefills_total") == prefills  # no prefill was even sent
