@@ -1,4 +1,5 @@
-"""results.png: TTFT p50 per configuration, one panel per prompt size, bars per concurrency.
+"""results.png: per prompt size, TTFT p50 per configuration (bars per concurrency) and the
+proxy CPU per request, stacked by process (Envoy, processor, router).
 
 matplotlib is a bench-only dependency (bench/requirements.txt); without it the chart is
 skipped and the reason returned, so the numbers are never lost to a missing plot library.
@@ -23,6 +24,15 @@ def size_label(size: int) -> str:
     return f"{size} B"
 
 
+# Proxy CPU per request, stacked by role (the simulators and the client are left out: the
+# same work for every configuration of a kind).
+CPU_LAYERS = (
+    ("cpu_envoy_ms", "Envoy"),
+    ("cpu_processor_ms", "processor"),
+    ("cpu_router_ms", "router"),
+)
+
+
 def draw(results: dict[str, Any], path: Path) -> str | None:
     """Write the chart; return None, or why it could not be drawn."""
     try:
@@ -40,14 +50,18 @@ def draw(results: dict[str, Any], path: Path) -> str | None:
     if not cells or not configs:
         return "no measured cells to draw"
     index = {(c["config"], c["size"], c["concurrency"]): c for c in cells}
+    colours = [plt.get_cmap("tab20")(i) for i in range(20)]
 
     fig, axes = plt.subplots(
-        1, len(sizes), figsize=(max(8.0, 5.5 * len(sizes)), 4.8), squeeze=False
+        2, len(sizes), figsize=(max(9.0, 7.0 * len(sizes)), 9.0), squeeze=False
     )
-    width = 0.8 / len(configs)
-    for ax, size in zip(axes[0], sizes, strict=True):
+    width = 0.84 / len(configs)
+    for column, size in enumerate(sizes):
+        ttft_ax, cpu_ax = axes[0][column], axes[1][column]
         for k, config in enumerate(configs):
+            colour = colours[(2 * k) % len(colours)]
             xs, heights, low, high = [], [], [], []
+            layers: dict[str, list[float]] = {key: [] for key, _ in CPU_LAYERS}
             for i, level in enumerate(levels):
                 cell = index.get((config, size, level))
                 if cell is None or cell["ttft_p50_ms"]["median"] is None:
@@ -58,15 +72,37 @@ def draw(results: dict[str, Any], path: Path) -> str | None:
                 # Error bars show the spread across rounds, not a confidence interval.
                 low.append(stat["median"] - stat["min"])
                 high.append(stat["max"] - stat["median"])
-            ax.bar(xs, heights, width, yerr=[low, high], capsize=2, label=config)
-        ax.set_xticks(range(len(levels)), [f"c={level}" for level in levels])
-        ax.set_title(f"prompt {size_label(size)}")
-        ax.set_ylabel("TTFT p50 (ms)")
-        ax.grid(axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize="small")
+                for key, _ in CPU_LAYERS:
+                    layers[key].append(cell.get(key, {}).get("median") or 0.0)
+            ttft_ax.bar(xs, heights, width, yerr=[low, high], capsize=2, label=config, color=colour)
+            bottom = [0.0] * len(xs)
+            for j, (key, _) in enumerate(CPU_LAYERS):
+                # One colour per configuration; the layers (Envoy, processor, router) by hatch.
+                cpu_ax.bar(
+                    xs,
+                    layers[key],
+                    width,
+                    bottom=bottom,
+                    color=colour,
+                    hatch=("", "//", "..")[j],
+                    edgecolor="white",
+                    linewidth=0.3,
+                )
+                bottom = [b + v for b, v in zip(bottom, layers[key], strict=True)]
+        for ax in (ttft_ax, cpu_ax):
+            ax.set_xticks(range(len(levels)), [f"c={level}" for level in levels])
+            ax.grid(axis="y", alpha=0.3)
+        ttft_ax.set_title(f"TTFT p50, prompt {size_label(size)}")
+        ttft_ax.set_ylabel("ms")
+        cpu_ax.set_title(
+            f"proxy CPU per request, prompt {size_label(size)}\n"
+            "(plain: Envoy, //: processor, ..: router)"
+        )
+        cpu_ax.set_ylabel("CPU ms per request")
+    axes[0][0].legend(fontsize="small", ncol=2)
     meta = results["meta"]
     fig.suptitle(
-        "TTFT p50 (median of {rounds} round(s); error bars: min/max over rounds)\n"
+        "median of {rounds} interleaved round(s); error bars: min/max over rounds; "
         "simulated prefill {p:g} ms, first token {f:g} ms".format(
             rounds=meta["rounds"],
             p=meta["sim"]["prefill_delay_ms"],
@@ -75,7 +111,7 @@ def draw(results: dict[str, Any], path: Path) -> str | None:
         fontsize="medium",
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return None
 

@@ -11,6 +11,7 @@ that never run Python code), so the two processes can be compared in ms per requ
 
 from __future__ import annotations
 
+import linecache
 import shutil
 import subprocess
 import sys
@@ -20,45 +21,69 @@ from pathlib import Path
 from typing import Any
 
 from bench import chart
-from bench.stack import Bench, Target, thread_cpu
+from bench.stack import MAIN_THREAD, OTHER_PYTHON_THREADS, Bench, Target, thread_cpu
 
 Cell = Callable[[Target, int, float], dict[str, Any]]
+PYTHON_THREADS = (MAIN_THREAD, OTHER_PYTHON_THREADS)
 
-# Innermost-frame file fragments -> component, first match wins.
+# Innermost-frame file fragments -> component, first match wins (py-spy shortens paths to
+# what follows the sys.path entry, e.g. `pdproc/stream.py`, `asyncio/runners.py`).
 COMPONENTS = (
-    ("/grpc/", "gRPC (grpc.aio, cygrpc)"),
-    ("grpc_health", "gRPC (grpc.aio, cygrpc)"),
+    ("/grpc/", "gRPC (grpc.aio Python)"),
+    ("/grpc_health/", "gRPC (grpc.aio Python)"),
     ("/google/protobuf/", "protobuf"),
     ("/_proto/", "protobuf"),
-    ("/aiohttp/", "aiohttp (prefill and bootstrap client)"),
-    ("/multidict/", "aiohttp (prefill and bootstrap client)"),
-    ("/yarl/", "aiohttp (prefill and bootstrap client)"),
+    ("/aiohttp/", "aiohttp (prefill, bootstrap)"),
+    ("/multidict/", "aiohttp (prefill, bootstrap)"),
+    ("/yarl/", "aiohttp (prefill, bootstrap)"),
     ("/logging/", "logging"),
-    ("pdproc/logs.py", "logging"),
+    ("/pdproc/logs.py", "logging"),
     ("/prometheus_client/", "prometheus_client (metrics)"),
     ("/opentelemetry/", "opentelemetry (tracing)"),
-    ("/asyncio/", "asyncio / uvloop"),
-    ("/uvloop/", "asyncio / uvloop"),
+    ("/asyncio/", "asyncio (Python parts)"),
+    ("/uvloop/", "asyncio (Python parts)"),
     ("/cachetools/", "cachetools (engine cache)"),
-    ("bench/floor.py", "floor.py"),
+    ("/bench/floor.py", "floor.py"),
     ("/pdproc/", "pdproc: "),
-    ("threading.py", "threading"),
-    ("uuid.py", "uuid"),
+    ("/uuid.py", "uuid"),
 )
+# Lines where the Python frame is only waiting on C code (grpc.aio's Cython core, uvloop):
+# the sample is that C code's, not the Python line's.
+GRPC_LINES = ("context.write(", "context.read(", "async for request in requests")
+EVENT_LOOP = "event loop C code (uvloop; grpc.aio and aiohttp callbacks)"
+POLLER = "gRPC poller thread (Cython, polls grpc's completion queue)"
+ROOTS = [Path(__file__).resolve().parent.parent, *(Path(p) for p in sys.path if p)]
+
+
+def _source_line(path: str, line: str) -> str:
+    if not line.isdigit():
+        return ""
+    for root in ROOTS:
+        full = root / path
+        if full.is_file():
+            return linecache.getline(str(full), int(line))
+    return ""
 
 
 def component(frame: str) -> str:
-    """`function (path/file.py:line)` -> the component it belongs to."""
-    location = frame.rpartition(" (")[2].rstrip(")") if " (" in frame else frame
-    path = location.split(":")[0]
+    """`function (path/file.py:line)` -> the component its CPU belongs to."""
+    function, _, location = frame.rstrip(")").rpartition(" (")
+    path, _, line = location.partition(":")
+    if function == "Runner.run":
+        return EVENT_LOOP
+    if function == "Thread.run" and path.endswith("threading.py"):
+        return POLLER
+    if any(mark in _source_line(path, line) for mark in GRPC_LINES):
+        return "gRPC stream read/write (Cython, awaited from Python)"
+    slashed = "/" + path
     for fragment, name in COMPONENTS:
-        if fragment in path:
+        if fragment in slashed:
             if name.endswith(": "):  # one row per pdproc module
-                return name + path.rpartition("/pdproc/")[2]
+                return name + slashed.rpartition("/pdproc/")[2]
             return name
     if "site-packages/" in path:
         return path.split("site-packages/")[1].split("/")[0]
-    return "other: " + Path(path).stem if path else "other"
+    return "Python stdlib: " + Path(path).stem if path.endswith(".py") else "other: " + path
 
 
 def collapsed_shares(text: str) -> tuple[int, dict[str, float], list[tuple[str, float]]]:
@@ -162,9 +187,9 @@ def _summarise(raw: dict[str, Any], out: Path) -> dict[str, Any]:
         return entry
     samples, shares, top = collapsed_shares(path.read_text())
     threads = raw["thread_cpu_ms_per_req"]
-    # Threads that run Python code are the ones py-spy samples; gRPC core's own threads
-    # (named grpc_*, e.g. its timer thread) never do.
-    sampled_ms = sum(ms for name, ms in threads.items() if not name.startswith("grpc_"))
+    # py-spy samples the threads that run Python code; gRPC core's own threads (which name
+    # themselves, e.g. event_engine) never do.
+    sampled_ms = sum(ms for name, ms in threads.items() if name in PYTHON_THREADS)
     entry.update(
         samples=samples,
         sampled_threads_cpu_ms_per_req=sampled_ms,

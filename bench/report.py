@@ -65,9 +65,17 @@ def metric(row: dict[str, Any] | None, name: str) -> float | None:
         "host_busy": row["host_busy"],
         "paired_share": row["paired"] / row["ok"] if row["pd"] and row["ok"] else None,
         "pdproc_processing_ms_mean": row.get("pdproc_processing_ms_mean"),
+        "ext_proc_msgs_per_req": _msgs(row),
     }
     value = table.get(name)
     return None if value is None else float(value)
+
+
+def _msgs(row: dict[str, Any]) -> float | None:
+    """ext_proc messages per request, both directions (Envoy's counters)."""
+    to = row.get("ext_proc_msgs_to_processor_per_req")
+    back = row.get("ext_proc_msgs_from_processor_per_req")
+    return None if to is None or back is None else to + back
 
 
 CELL_METRICS = (
@@ -81,6 +89,7 @@ CELL_METRICS = (
     "host_busy",
     "paired_share",
     "pdproc_processing_ms_mean",
+    "ext_proc_msgs_per_req",
 )
 
 Rows = dict[tuple[str, int, int, int], dict[str, Any]]
@@ -333,11 +342,14 @@ def markdown(results: dict[str, Any]) -> str:
         "CPU is each process's utime+stime over the measured requests only, per completed "
         "request (ms per request = s per 1,000): *processor* is pdproc or the floor, *router* "
         "vllm-router or sglang-router, *sim* the simulated pair, *client* the load generator. "
-        "*Paired*: share of requests whose decode got its KV from a prefill (simulator's count).",
+        "*ext_proc msgs/req*: gRPC messages between Envoy and the processor, both ways "
+        "(Envoy's counters). *Paired*: share of requests whose decode got its KV from a "
+        "prefill (the simulated decode's count).",
         "",
         "| prompt | conc | config | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | req/s "
-        "| CPU ms/req: Envoy | processor | router | sim | client | paired | ok/failed |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| CPU ms/req: Envoy | processor | router | sim | client | ext_proc msgs/req "
+        "| paired | ok/failed |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     order = {name: i for i, name in enumerate(CONFIGS)}
     cells = sorted(
@@ -349,6 +361,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {chart.size_label(c['size'])} | {c['concurrency']} | {c['config']} "
             f"| {fmt(c['ttft_p50_ms'])} | {fmt(c['ttft_p99_ms'])} "
             f"| {fmt(c['e2e_p50_ms'], spread=False)} | {fmt(c['rps'], 0)} | {cpu} "
+            f"| {fmt(c['ext_proc_msgs_per_req'], 1, spread=False)} "
             f"| {_pct(c['paired_share'])} | {c['ok']}/{c['failed']} |"
         )
     lines += _versus_lines(summary["versus"])
@@ -460,7 +473,11 @@ def profile_lines(prof: dict[str, Any]) -> list[str]:
         "| where | pdproc ms/req | floor ms/req | pdproc - floor |",
         "|---|---:|---:|---:|",
     ]
-    for row in compare:
+    threads = [r for r in compare if r["kind"] == "thread"]
+    parts = [r for r in compare if r["kind"] != "thread"]
+    # The components that differ most, either way (the full list is in profile-top.txt).
+    parts = sorted(parts, key=lambda r: -abs(r["pdproc"] - r["floor"]))[:12]
+    for row in threads + sorted(parts, key=lambda r: -(r["pdproc"] - r["floor"])):
         lines.append(
             f"| {row['what']} | {row['pdproc']:.3f} | {row['floor']:.3f} "
             f"| {row['pdproc'] - row['floor']:+.3f} |"

@@ -346,6 +346,7 @@ class Snapshot:
     host: tuple[float, float]
     decode: dict[str, Any]  # the simulated decode's /sim/stats
     processing: tuple[float, float] | None  # pdproc_request_processing_seconds sum, count
+    ext_proc: dict[str, int]  # Envoy's ext_proc counters (messages to and from the processor)
 
 
 def _sim_stats(target: Target) -> dict[str, Any]:
@@ -371,16 +372,28 @@ def scrape_processing(metrics_text: str) -> tuple[float, float]:
     return total, count
 
 
+def _ext_proc(target: Target) -> dict[str, int]:
+    if target.envoy_admin is None:
+        return {}
+    status, body = devstack.http_get(target.envoy_admin.url() + "/stats?filter=ext_proc")
+    out = {}
+    for line in body.decode().splitlines() if status == 200 else ():
+        name, _, value = line.partition(": ")
+        if name.endswith(("stream_msgs_sent", "stream_msgs_received")) and value.isdigit():
+            out[name.rpartition(".")[2]] = int(value)
+    return out
+
+
 def snapshot(target: Target, *, before: bool) -> Snapshot:
-    """Read CPU times closest to the measured phase; the HTTP reads (which cost the simulator
-    and pdproc a little CPU) happen outside the CPU bracket."""
+    """Read CPU times closest to the measured phase; the HTTP reads (which cost the simulator,
+    Envoy and pdproc a little CPU) happen outside the CPU bracket."""
     if before:
-        processing, decode = _processing(target), _sim_stats(target)
+        processing, decode, ext_proc = _processing(target), _sim_stats(target), _ext_proc(target)
     cpu = {role: tree_cpu_s(pid) for role, pid in target.pids.items()}
     host = host_cpu()
     if not before:
-        decode, processing = _sim_stats(target), _processing(target)
-    return Snapshot(cpu, host, decode, processing)
+        ext_proc, decode, processing = _ext_proc(target), _sim_stats(target), _processing(target)
+    return Snapshot(cpu, host, decode, processing, ext_proc)
 
 
 def measure(
@@ -499,6 +512,11 @@ def run_cell(
         kv_failures=failures_after - failures_before,
         pd=target.pd,
     )
+    if first.ext_proc and second.ext_proc and ok:
+        # Envoy -> processor (request headers, body, response headers ...) and back.
+        for key, label in (("stream_msgs_sent", "to"), ("stream_msgs_received", "from")):
+            messages = second.ext_proc.get(key, 0) - first.ext_proc.get(key, 0)
+            row[f"ext_proc_msgs_{label}_processor_per_req"] = messages / ok
     if first.processing is not None and second.processing is not None:
         count = second.processing[1] - first.processing[1]
         spent = second.processing[0] - first.processing[0]

@@ -99,6 +99,7 @@ class Target:
     sim: SimPair
     pd: bool
     metrics: HostPort | None = None  # pdproc's /metrics, for its own processing time
+    envoy_admin: HostPort | None = None  # for the ext_proc message counters
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class Part:
     process: Process
     address: str  # base URL (a router, Envoy) or HOST:PORT (an ext_proc processor)
     metrics: HostPort | None = None
+    admin: HostPort | None = None  # an Envoy's admin endpoint
 
 
 @dataclass
@@ -233,7 +235,7 @@ def start_envoy_alone(workdir: Path, sim: SimPair, opts: StackOptions) -> Part:
     envoy = devstack.start_envoy(
         workdir, [sim.decode], [], with_processor=False, concurrency=opts.envoy_concurrency
     )
-    return Part(envoy.process, envoy.url)
+    return Part(envoy.process, envoy.url, admin=envoy.admin)
 
 
 def versions() -> dict[str, str]:
@@ -348,7 +350,7 @@ def _start(
                 extra_options=options,
             )
             keep(envoy.process)
-            return Part(envoy.process, envoy.url)
+            return Part(envoy.process, envoy.url, admin=envoy.admin)
 
         return start
 
@@ -392,7 +394,14 @@ def _start(
             envoy = envoys[name]
             pids = {"envoy": envoy.process.popen.pid, "processor": processor.process.popen.pid}
             targets[name] = Target(
-                name, envoy.address, prefill_header, {**pids, **base}, sim, pd, processor.metrics
+                name,
+                envoy.address,
+                prefill_header,
+                {**pids, **base},
+                sim,
+                pd,
+                processor.metrics,
+                envoy.admin,
             )
         elif name in parts:  # a router
             router = parts[name]
@@ -461,14 +470,27 @@ def host_cpu() -> tuple[float, float]:
     return float(total - idle), float(total)
 
 
+MAIN_THREAD = "main thread (event loop)"
+OTHER_PYTHON_THREADS = "other Python threads (gRPC poller, executor)"
+
+
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds per thread name (over the process and its workers): how much is Python's
-    event loop and how much gRPC's own threads."""
+    """CPU seconds by thread (over the process and its workers): the event loop's thread,
+    the other threads Python started (they keep the process's name) and the threads that
+    name themselves (gRPC core's event_engine ...)."""
     out: dict[str, float] = {}
     for member in (pid, *descendants(pid)):
+        try:
+            own = Path(f"/proc/{member}/comm").read_text().strip()
+        except OSError:
+            continue
         for task in Path(f"/proc/{member}/task").glob("*"):
             with contextlib.suppress(OSError):
                 name = (task / "comm").read_text().strip()
+                if task.name == str(member):
+                    name = MAIN_THREAD
+                elif name == own:
+                    name = OTHER_PYTHON_THREADS
                 fields = _stat_fields(task / "stat")
                 if fields is not None:
                     cpu = (int(fields[11]) + int(fields[12])) / _CLK_TCK
