@@ -34,6 +34,7 @@ REQUEST_ATTRIBUTES = (
     "request.id",
     *(f"request.headers['{name}']" for name in ATTRIBUTE_HEADERS),
 )
+_HEADER_ATTRIBUTE = "request.headers['"
 METADATA_NAMESPACE = "pdproc"
 METADATA_PREFILL_KEY = "prefiller"
 # Body answers for a body pdproc has checked carry this mark, so a rule after ext_proc can
@@ -176,9 +177,12 @@ def headers_from_attributes(request: pb.ProcessingRequest) -> dict[str, str] | N
         headers[":method"] = fields["request.method"].string_value
     if "request.id" in fields:
         headers["x-request-id"] = fields["request.id"].string_value
-    for name, expression in zip(ATTRIBUTE_HEADERS, REQUEST_ATTRIBUTES[3:], strict=True):
-        if expression in fields:
-            headers[name] = fields[expression].string_value
+    # Whatever headers the filter lists (`request.headers['<name>']`), not only the defaults.
+    for expression, value in fields.items():
+        if expression.startswith(_HEADER_ATTRIBUTE) and expression.endswith("']"):
+            name = expression[len(_HEADER_ATTRIBUTE) : -2].lower()
+            if name and not name.startswith(":"):
+                headers[name] = value.string_value
     metadata = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
     if metadata is not None and METADATA_PREFILL_KEY in metadata.fields:
         headers[PREFILL_HEADER] = metadata.fields[METADATA_PREFILL_KEY].string_value

@@ -523,3 +523,30 @@ async def test_client_kv_transfer_params_are_refused(h: Harness, target: bool) -
     assert answer.immediate_response.status.code == 400
     assert "kv_transfer_params" in orjson.loads(answer.immediate_response.body)["message"]
     assert await h.prefill_records() == []
+
+
+async def test_single_message_mode_reads_every_header_attribute(h: Harness) -> None:
+    """In single-message mode the headers come as request_attributes with the body; pdproc
+    takes whichever `request.headers['<name>']` the filter lists and forwards them to the
+    prefill (so an operator can add, e.g., an API-key header to the list)."""
+    request = body_msg(CHAT)
+    attributes = request.attributes["envoy.filters.http.ext_proc"]
+    attributes.update(
+        {
+            "request.path": "/v1/chat/completions",
+            "request.method": "POST",
+            "request.id": "req-attr",
+            "request.headers['x-api-key']": "k-123",
+            "request.headers['authorization']": "Bearer t",
+        }
+    )
+    request.metadata_context.filter_metadata["pdproc"].update({"prefiller": h.prefill.address})
+    call = h.open()
+    await call.write(request)
+    answer = await recv(call)
+    assert answer.request_body.response.HasField("body_mutation")
+    await eventually(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 1)
+    (record,) = await h.prefill_records()
+    assert record["headers"]["x-api-key"] == "k-123"
+    assert record["headers"]["authorization"] == "Bearer t"
+    assert record["headers"]["x-request-id"] == "req-attr"
