@@ -18,13 +18,18 @@ EXT_PROC_ERRORS = (
 )
 
 
+SIM_ARGS = ("--dp-ranks", "2", "--itl-ms", "20", "--prefill-delay-ms", "10")
+
+
 @pytest.fixture(scope="module", params=["two-message", "single-message"])
 def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     """One shared stack per test module and Envoy mode (request headers SEND, or SKIP with
-    request_attributes); tests reset the simulator and faults they touch."""
-    sim = ["--dp-ranks", "2", "--itl-ms", "20", "--prefill-delay-ms", "10"]
+    request_attributes); tests reset the simulator and faults they touch. A module may set
+    `SIM_ARGS` and `PDPROC_ARGS` for its stack."""
+    sim = getattr(request.module, "SIM_ARGS", SIM_ARGS)
+    pdproc = getattr(request.module, "PDPROC_ARGS", ())
     options = {"single_message": request.param == "single-message"}
-    with running_stack(sim, envoy_options=options) as st:
+    with running_stack(sim, pdproc, envoy_options=options) as st:
         yield st
 
 
@@ -50,8 +55,11 @@ def eventually(check: Callable[[], Any], timeout_s: float = 15.0) -> Any:
 
 
 def ext_proc_errors(stack: Stack) -> dict[str, int]:
+    """Envoy's ext_proc error counters; a missing one (renamed in an Envoy release) fails."""
     stats = stack.envoy.stats("http.ingress.ext_proc.")
-    return {name: stats.get(f"http.ingress.ext_proc.{name}", 0) for name in EXT_PROC_ERRORS}
+    missing = [name for name in EXT_PROC_ERRORS if f"http.ingress.ext_proc.{name}" not in stats]
+    assert not missing, f"Envoy has no ext_proc stat {missing}: {sorted(stats)}"
+    return {name: stats[f"http.ingress.ext_proc.{name}"] for name in EXT_PROC_ERRORS}
 
 
 def forget_engine_ids(stack: Stack) -> None:
