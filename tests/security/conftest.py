@@ -69,8 +69,13 @@ class Pd:
         return await play(self.stub, body, **kw)
 
     def sample(self, name: str, **labels: str) -> float:
-        value = self.server.metrics.registry.get_sample_value(name, labels)
-        return value or 0.0
+        """The sum of the samples `name` whose labels include `labels` (0 when none)."""
+        return sum(
+            sample.value
+            for family in self.server.metrics.registry.collect()
+            for sample in family.samples
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+        )
 
     async def metrics_page(self) -> str:
         """The /metrics page, scraped over HTTP as Prometheus would."""

@@ -74,22 +74,24 @@ async def test_client_chosen_ports_leave_bounded_state_and_one_query(
     pod: HostilePod, make_pdproc: Any
 ) -> None:
     pd: Pd = await make_pdproc(pod, max_targets=MAX_TARGETS)
-
-    # 300 ports nothing listens on, named at once: one /query for the host, and each
-    # refused connection opens its target's breaker; the breaker table stays bounded.
-    outcomes = await burst(pd, pod, closed_ports(PORTS))
-    assert {(o.status, o.error_kind) for o in outcomes} == {(502, "prefill_failed")}
-    assert pod.hits["query"] == 1
-    assert 0 < len(pd.service.breakers) <= MAX_TARGETS
-    open_series = await pd.series("pdproc_prefill_breaker_open")
-    assert 0 < len(open_series) <= MAX_TARGETS
-
-    # 300 more ports that accept and never answer: prefills in flight to all of them at
-    # once; the per-target gauge stays bounded, and the host's map serves every port.
     with silent_listeners(PORTS) as listeners:
-        ports = [sock.getsockname()[1] for sock in listeners]
+        # Taken while the listeners hold theirs: the two sets of ports cannot overlap.
+        refusing = closed_ports(PORTS)
+
+        # 300 ports nothing listens on, named at once: one /query for the host, and each
+        # refused connection opens its target's breaker; the breaker table stays bounded.
+        outcomes = await burst(pd, pod, refusing)
+        assert {(o.status, o.error_kind) for o in outcomes} == {(502, "prefill_failed")}
+        assert pod.hits["query"] == 1
+        assert 0 < len(pd.service.breakers) <= MAX_TARGETS
+        open_series = await pd.series("pdproc_prefill_breaker_open")
+        assert 0 < len(open_series) <= MAX_TARGETS
+
+        # 300 more ports that accept and never answer: prefills in flight to all of them at
+        # once; the per-target gauge stays bounded, and the host's map serves every port.
         running = [
-            asyncio.create_task(pd.play(CHAT_BYTES, prefill=f"127.0.0.1:{port}")) for port in ports
+            asyncio.create_task(pd.play(CHAT_BYTES, prefill=f"127.0.0.1:{sock.getsockname()[1]}"))
+            for sock in listeners
         ]
         try:
             await eventually(lambda: pd.service.launcher.total_in_flight == PORTS)
