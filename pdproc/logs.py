@@ -51,4 +51,3 @@ def setup_logging(level: str = "info", fmt: str = "json") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # aiohttp's access log (metrics endpoint) is off; its client logs nothing at info.
