@@ -8,7 +8,6 @@ or refused with a BodyError whose message is fit for a 400.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,12 +20,12 @@ class BodyError(ValueError):
     """The client's body cannot be carried to both legs as it is."""
 
 
-# An integer literal of 19+ digits may not fit orjson's 64-bit integers: it would become a
-# float on the prefill leg while the decode keeps it. Only bodies with such a run take the
-# exact (slower) check; a prompt that merely contains one passes it. (orjson itself refuses
-# floats that overflow a double.)
-_SUSPECT_NUMBER = re.compile(rb"[0-9]{19}")
+# orjson keeps integers in [-2**63, 2**64) exact and turns larger ones into floats, which
+# the prefill leg would then carry as floats while the decode keeps the client's digits. So
+# a float that large may be such an integer: only then does the body take the exact (slower)
+# check. (orjson itself refuses floats that overflow a double.)
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+_SUSPECT = float(2**63)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -41,9 +40,25 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         # Only the gateway may point a decode pod at a KV source: a client's own params
         # could aim it at any address.
         raise BodyError(f"{KV_PARAMS} is set by the gateway, not by clients")
-    if _SUSPECT_NUMBER.search(raw):
+    if _has_huge_float(data):
         _check_numbers(raw)
     return data
+
+
+def _has_huge_float(data: dict[str, Any]) -> bool:
+    """Whether any number in the body is a float of magnitude 2**63 or more (iterative: the
+    client controls the nesting; a prompt's text costs nothing, only JSON values are seen)."""
+    pending: list[dict[str, Any] | list[Any]] = [data]
+    while pending:
+        container = pending.pop()
+        for value in container.values() if isinstance(container, dict) else container:
+            kind = type(value)
+            if kind is float:
+                if not -_SUSPECT < value < _SUSPECT:
+                    return True
+            elif kind is dict or kind is list:
+                pending.append(value)
+    return False
 
 
 def _check_numbers(raw: bytes) -> None:
