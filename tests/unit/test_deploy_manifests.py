@@ -238,6 +238,20 @@ MUTATIONS = [
         "metadata.writableNamespaces must include pdproc",
     ),
     Mutation(
+        "eg-lua-before-ext-proc",
+        "deploy/envoy-gateway/gateway.yaml",
+        "    after: envoy.filters.http.ext_proc",
+        "    before: envoy.filters.http.ext_proc",
+        "the kv guard (Lua) would run before ext_proc",
+    ),
+    Mutation(
+        "istio-ext-proc-stats-not-exposed",
+        "deploy/istio/gateway.yaml",
+        '.ext_proc\\\\..*"',
+        '.rbac\\\\..*"',
+        "Istio keeps the ext_proc counters out of /stats/prometheus",
+    ),
+    Mutation(
         "lua-guard-edited-by-hand",
         "deploy/istio/envoyfilter.yaml",
         'local KV_KEY = "kv_transfer_params"',

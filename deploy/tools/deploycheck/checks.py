@@ -500,6 +500,24 @@ def _gateway_policies(
                     "//v1/... cannot reach the decode without pdproc",
                 )
     for gw in (d for d in docs if d.kind == "Gateway" and d.spec.get("gatewayClassName") == "eg"):
+        if any(d.kind == "EnvoyExtensionPolicy" and d.spec.get("lua") for d in docs):
+            ref = (gw.spec.get("infrastructure") or {}).get("parametersRef") or {}
+            proxy = (
+                index.get(("EnvoyProxy", str(ref.get("name"))))
+                if ref.get("kind") == "EnvoyProxy"
+                else None
+            )
+            order = (proxy.spec.get("filterOrder") if proxy else None) or []
+            if not any(
+                o.get("name") == "envoy.filters.http.lua"
+                and o.get("after") == "envoy.filters.http.ext_proc"
+                for o in order
+            ):
+                report.error(
+                    gw.where,
+                    "the kv guard (Lua) would run before ext_proc (Envoy Gateway's default "
+                    "order): reference an EnvoyProxy with filterOrder lua after ext_proc",
+                )
         ctps = [
             p
             for p in docs
@@ -537,6 +555,17 @@ def _istio(
     docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
 ) -> None:
     settings = _pdproc_settings(docs)
+    for gw in (
+        d for d in docs if d.kind == "Gateway" and d.spec.get("gatewayClassName") == "istio"
+    ):
+        annotations = (gw.spec.get("infrastructure") or {}).get("annotations") or {}
+        if "ext_proc" not in str(annotations.get("proxy.istio.io/config", "")):
+            report.error(
+                gw.where,
+                "Istio keeps the ext_proc counters out of /stats/prometheus: add a "
+                "proxyStatsMatcher for them (infrastructure.annotations proxy.istio.io/config), "
+                "or the fail-open alerts see nothing",
+            )
     for ef in (d for d in docs if d.kind == "EnvoyFilter"):
         for patch in ef.spec.get("configPatches", []):
             value = patch.get("patch", {}).get("value", {})
