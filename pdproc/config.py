@@ -94,11 +94,15 @@ def _port(value: str) -> int:
 
 
 def _listen(value: str) -> HostPort:
-    """A listen address; port 0 picks a free one (tests)."""
-    host, sep, port = value.rpartition(":")
+    """A listen address; port 0 picks a free one (tests). A bare IPv6 address before the
+    port (`fd00::1:9090`, what `$(POD_IP):9090` gives on an IPv6 cluster) is accepted: a
+    listen address always ends with its port."""
+    host, sep, port = value.strip().rpartition(":")
+    if sep and ":" in host and not host.startswith("["):
+        host = f"[{host}]"
     if sep and port == "0":
         return HostPort(parse_host_port(f"{host}:1").host, 0)
-    return parse_host_port(value)
+    return parse_host_port(f"{host}{sep}{port}")
 
 
 def _boolean(value: str) -> bool:
@@ -257,6 +261,11 @@ class Settings:
         "info", "debug, info, warning or error.", _choice("debug", "info", "warning", "error")
     )
     log_format: str = _setting("json", "json or text.", _choice("json", "text"))
+    trace_flush_timeout: float = _setting(
+        5.0,
+        "Seconds the exit may spend sending the spans still queued (OpenTelemetry).",
+        _non_negative,
+    )
     log_bodies: bool = _setting(
         False,
         "Add the first 4 KiB of each P/D request body (prompt text!) and prefill error "

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import logging
 import signal
+import threading
 from pathlib import Path
 
 import aiohttp
@@ -29,7 +30,7 @@ from pdproc.metrics import Metrics
 from pdproc.pod_http import new_session
 from pdproc.prefill import PrefillLauncher
 from pdproc.service import ExtProcService
-from pdproc.targets import HostPort
+from pdproc.targets import AllowList, HostPort
 from pdproc.telemetry import Tracing
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,11 @@ class Server:
             self.tracing,
             dns_pool=self._dns,
         )
+        if not s.prefill and not s.prefill_dns and s.prefill_allow == AllowList():
+            log.warning(
+                "no prefill pool and an empty --prefill-allow: every request is served by "
+                "the decode alone, and every x-prefiller-host-port target is refused"
+            )
         if s.drain_timeout < s.prefill_timeout + 1:
             log.warning(
                 "--drain-timeout is shorter than --prefill-timeout + 1 s: prefills still "
@@ -199,7 +205,7 @@ class Server:
         if self._web is not None:
             await self._web.cleanup()
         if self._tracer_provider is not None:
-            self._tracer_provider.shutdown()  # flush the spans still queued
+            await _flush_traces(self._tracer_provider, self.settings.trace_flush_timeout)
         log.info("pdproc stopped", extra={"abandoned_prefills": left})
         return left
 
@@ -227,6 +233,20 @@ def connector_for(settings: Settings) -> Connector:
     if settings.kv_connector is KvConnector.SGLANG:
         return SGLang(settings.sglang_bootstrap_port)
     return Mooncake(settings.mooncake_bootstrap_port)
+
+
+async def _flush_traces(provider: TracerProvider, timeout_s: float) -> None:
+    """Send the spans still queued, within the drain budget: the SDK's own shutdown may
+    wait far longer on an unreachable collector."""
+    done = threading.Event()
+
+    def shutdown() -> None:
+        provider.shutdown()
+        done.set()
+
+    threading.Thread(target=shutdown, name="pdproc-trace-flush", daemon=True).start()
+    if not await asyncio.to_thread(done.wait, timeout_s):
+        log.warning("spans still queued after %.1f s were dropped", timeout_s)
 
 
 def _text(status: int, text: str) -> web.Response:

@@ -126,3 +126,18 @@ def test_switches_take_no_value_on_the_command_line_and_booleans_elsewhere() -> 
     assert resolve(namespace(), {}, {}).log_bodies is False
     with pytest.raises(ConfigError, match="PDPROC_LOG_BODIES"):
         resolve(namespace(), {"PDPROC_LOG_BODIES": "maybe"}, {})
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("fd00::1:9090", HostPort("fd00::1", 9090)),
+        ("[fd00::1]:9090", HostPort("fd00::1", 9090)),
+        ("10.1.2.3:9090", HostPort("10.1.2.3", 9090)),
+        ("[::1]:0", HostPort("::1", 0)),
+    ],
+)
+def test_listen_addresses_accept_a_bare_ipv6_pod_ip(value: str, expected: HostPort) -> None:
+    """`$(POD_IP):9090` on an IPv6 cluster has no brackets; a listen address ends with its
+    port, so it is still unambiguous."""
+    assert resolve(namespace(metrics_listen=value), {}, {}).metrics_listen == expected
