@@ -8,14 +8,18 @@ anything else is a 400.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import grpc
 import pytest
 from pdproc_sim.devstack import Stack
 
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.targets import AllowList
 
-from .conftest import CHAT_BYTES, Pd, is_single_message, records, send, served
+from .conftest import CHAT_BYTES, SECONDS, Pd, is_single_message, metric, records, send, served
+from .envoy_role import CHAT_PATH, single_message_body
 from .pods import HostilePod
 
 # Header bytes as they arrive from Envoy: pdproc reads them as latin-1. The look-alike
@@ -96,3 +100,65 @@ def is_utf8(value: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+# -- single-message mode: header values that are not UTF-8 ---------------------------------
+
+DECODE_ERROR_REASON = (
+    "pdproc bug: in single-message mode Envoy copies header values into proto3 string fields "
+    "(request attributes such as request.headers['authorization'], and the prefill header via "
+    "header_to_metadata) without checking UTF-8; pdproc's gRPC server cannot parse such a "
+    "ProcessingRequest (protobuf DecodeError raised from context.read(), outside the handler's "
+    "catch-all), the ext_proc stream fails, and Envoy fails open: any client can make its "
+    "request bypass pdproc (or, with --fail-closed, get a 500), and each one logs a traceback"
+)
+NOT_UTF8 = {
+    "prefill-header": ("x-prefiller-host-port", b"10.0.0.1:80\xb2"),
+    "authorization": ("authorization", b"Bearer \xb2"),
+    "traceparent": ("traceparent", b"00-\xb2"),
+}
+
+
+def ext_proc_failures(stack: Stack) -> int:
+    stats = stack.envoy.stats("http.ingress.ext_proc.")
+    return stats.get("http.ingress.ext_proc.streams_failed", 0)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("header", list(NOT_UTF8.values()), ids=list(NOT_UTF8))
+def test_header_bytes_that_are_not_utf8_are_answered_by_pdproc(
+    fresh: Stack, header: tuple[str, bytes], request: pytest.FixtureRequest
+) -> None:
+    if is_single_message(fresh):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=DECODE_ERROR_REASON))
+    name, value = header
+    failures = ext_proc_failures(fresh)
+    counted = metric(fresh, "pdproc_requests_total")
+    prefill = value if name == "x-prefiller-host-port" else str(fresh.sim.prefill)
+    headers = {} if name == "x-prefiller-host-port" else {name: value}
+    response = send(fresh, CHAT_BYTES, prefill, headers=headers)
+    assert response.status_code in (200, 400), response.text
+    assert ext_proc_failures(fresh) == failures  # pdproc read the message and answered
+    assert metric(fresh, "pdproc_requests_total") == counted + 1
+
+
+@pytest.mark.xfail(strict=True, reason=DECODE_ERROR_REASON)
+async def test_single_message_with_non_utf8_attribute_gets_an_answer(
+    pod: HostilePod, make_pdproc: Any
+) -> None:
+    """Minimal reproduction, without Envoy: the body message of single-message mode with a
+    prefill header of `10.0.0.1:80` + byte 0xB2, as Envoy serialises it."""
+    pd: Pd = await make_pdproc(pod)
+    message = single_message_body(CHAT_BYTES, CHAT_PATH, "10.0.0.1:80Z", "req-1")
+    raw = message.SerializeToString().replace(b"10.0.0.1:80Z", b"10.0.0.1:80\xb2")
+    process = pd.channel.stream_stream(
+        "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+        request_serializer=None,  # the bytes as they are
+        response_deserializer=pb.ProcessingResponse.FromString,
+    )
+    call = process()
+    await call.write(raw)
+    async with asyncio.timeout(SECONDS):
+        answer = await call.read()
+    assert answer is not grpc.aio.EOF  # today: the RPC fails (StatusCode.UNKNOWN)
+    assert answer.immediate_response.status.code == 400
