@@ -12,6 +12,7 @@ its measured phase) and divided by the requests completed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import subprocess
@@ -258,6 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="afterwards, py-spy pdproc and the floor for SECONDS each under the same load "
         "(profile.svg, profile.txt, profile-floor.txt, profile-top.txt)",
+    )
+    parser.add_argument(
+        "--keep-logs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run the processes in DIR and keep their logs there (default: a temporary folder)",
     )
     parser.add_argument("--profile-size", type=parse_size, default=KiB, help="default 1k")
     parser.add_argument("--profile-concurrency", type=_positive_int, default=16)
@@ -665,10 +673,15 @@ def run(opts: Options, workdir: Path) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    opts = options_from(build_parser().parse_args(args_list), args_list)
+    args = build_parser().parse_args(args_list)
+    opts = options_from(args, args_list)
     opts.out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="pdproc-bench-") as tmp:
-        workdir = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        if args.keep_logs is not None:
+            workdir = args.keep_logs.resolve()
+            workdir.mkdir(parents=True, exist_ok=True)
+        else:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pdproc-bench-")))
         try:
             results = run(opts, workdir)
         except BaseException:
