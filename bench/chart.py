@@ -50,7 +50,8 @@ def draw(results: dict[str, Any], path: Path) -> str | None:
     if not cells or not configs:
         return "no measured cells to draw"
     index = {(c["config"], c["size"], c["concurrency"]): c for c in cells}
-    colours = [plt.get_cmap("tab20")(i) for i in range(20)]
+    # tab10, then three more that differ from all of it: one colour per configuration.
+    colours = [plt.get_cmap("tab10")(i) for i in range(10)] + ["#000000", "#9edae5", "#ffbb78"]
 
     fig, axes = plt.subplots(
         2, len(sizes), figsize=(max(9.0, 7.0 * len(sizes)), 9.0), squeeze=False
@@ -59,7 +60,7 @@ def draw(results: dict[str, Any], path: Path) -> str | None:
     for column, size in enumerate(sizes):
         ttft_ax, cpu_ax = axes[0][column], axes[1][column]
         for k, config in enumerate(configs):
-            colour = colours[(2 * k) % len(colours)]
+            colour = colours[k % len(colours)]
             xs, heights, low, high = [], [], [], []
             layers: dict[str, list[float]] = {key: [] for key, _ in CPU_LAYERS}
             for i, level in enumerate(levels):
@@ -99,7 +100,8 @@ def draw(results: dict[str, Any], path: Path) -> str | None:
             "(plain: Envoy, //: processor, ..: router)"
         )
         cpu_ax.set_ylabel("CPU ms per request")
-    axes[0][0].legend(fontsize="small", ncol=2)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(configs)), fontsize="small")
     meta = results["meta"]
     fig.suptitle(
         "median of {rounds} interleaved round(s); error bars: min/max over rounds; "
@@ -110,7 +112,7 @@ def draw(results: dict[str, Any], path: Path) -> str | None:
         ),
         fontsize="medium",
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0.0, 0.06, 1.0, 1.0))  # room for the legend below
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return None
