@@ -76,9 +76,11 @@ def test_client_kv_transfer_params_get_400_through_envoy(
 @pytest.mark.e2e
 @pytest.mark.parametrize("path", PD_PATHS)
 def test_client_kv_transfer_params_get_400_on_every_pd_path(fresh: Stack, path: str) -> None:
+    refused = metric(fresh, "pdproc_requests_total", outcome="bad_request")
     for prefill in (str(fresh.sim.prefill), None):
         response = send(fresh, SPELLINGS["plain"], prefill, path=path)
         assert response.status_code == 400, response.text
+    assert metric(fresh, "pdproc_requests_total", outcome="bad_request") == refused + 2
     assert records(fresh, "decode") == []
 
 

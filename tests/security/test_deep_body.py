@@ -73,11 +73,14 @@ def test_five_deep_bodies_get_400_and_leave_pd_on_for_everyone(fresh: Stack) -> 
 def test_deep_body_with_client_kv_transfer_params_gets_400_not_500(fresh: Stack) -> None:
     body = deep_body(300).replace(b'{"model":"m",', b'{"model":"m",' + KV, 1)
     assert orjson.loads(body)["kv_transfer_params"]["do_remote_prefill"] is True
+    refused = metric(fresh, "pdproc_requests_total", outcome="bad_request")
     response = send(fresh, body, str(fresh.sim.prefill))
     assert_bad_request(
         response.status_code, response.headers.get("x-pdproc-error"), response.json()
     )
     assert "kv_transfer_params" in response.json()["message"]
+    # pdproc refused it itself (the kv guard behind it in Envoy would answer alike).
+    assert metric(fresh, "pdproc_requests_total", outcome="bad_request") == refused + 1
     assert records(fresh, "decode") == []
     assert records(fresh, "prefill") == []
 
