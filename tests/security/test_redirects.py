@@ -61,8 +61,7 @@ async def test_prefill_redirect_to_a_forbidden_address_carries_no_prompt(
     pod: HostilePod, other_pod: HostilePod, make_pdproc: Any
 ) -> None:
     """A 307 re-posts the body: followed, the prompt would reach an address the allow list
-    forbids (here: pdproc allows only the hostile pod's host:port range 127.0.0.1/32, and
-    the redirect names [::1], outside it)."""
+    forbids (pdproc allows 127.0.0.1/32 here; the redirect names [::1])."""
     pod.on_prefill = redirect(f"http://[::1]:{other_pod.port}/steal", 307)
     pd: Pd = await make_pdproc(pod)
     secret = b'{"model":"m","messages":[{"role":"user","content":"SECRET-PROMPT"}]}'
