@@ -67,7 +67,9 @@ def error_body(message: str, error_type: str, code: int) -> bytes:
 
 def shown(value: str, limit: int = 64) -> str:
     """A client- or pod-supplied value as it may appear in an answer or a log line: quoted
-    and cut short, so nobody can make pdproc echo (or log) kilobytes of their choosing."""
-    if len(value) <= limit:
-        return repr(value)
-    return repr(value[:limit]) + f"... ({len(value)} chars)"
+    (unprintable characters escaped) and cut short, so nobody can make pdproc echo (or log)
+    kilobytes of their choosing."""
+    text = repr(value)
+    if len(text) <= limit + 2:
+        return text
+    return text[: limit + 1] + f"... ({len(value)} chars)"

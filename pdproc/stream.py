@@ -17,6 +17,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, TypeAlias
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pdproc import envoy_messages as msg
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -52,7 +53,18 @@ class Stream:
 
     async def run(self) -> None:
         while True:
-            message = await self._context.read()
+            try:
+                message = await self._context.read()
+            except DecodeError as exc:
+                # A message protobuf cannot parse: header bytes that are not UTF-8, which
+                # Envoy copies into string attributes in single-message mode. Whatever it
+                # was, the request ends here rather than failing the stream (Envoy would
+                # fail open, and the client would pass unchecked).
+                log.warning("unreadable ext_proc message: %s", exc)
+                reply = ErrorReply(ErrorKind.BAD_REQUEST, "request headers are not valid UTF-8")
+                self._service.count("", reply.kind.value)
+                await self._write(msg.immediate(reply))
+                return
             if message is grpc.aio.EOF:
                 return  # Envoy resets the stream right after: leave now
             if self.phase is Phase.DONE:

@@ -18,7 +18,7 @@ from pdproc_sim.devstack import Stack
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.targets import AllowList
 
-from .conftest import CHAT_BYTES, SECONDS, Pd, is_single_message, metric, records, send, served
+from .conftest import CHAT_BYTES, SECONDS, Pd, metric, records, send
 from .envoy_role import CHAT_PATH, single_message_body
 from .pods import HostilePod
 
@@ -81,16 +81,11 @@ async def test_non_ascii_target_text_gets_400_in_single_message_mode(
 )
 def test_superscript_port_through_envoy_gets_400(fresh: Stack, value: bytes) -> None:
     response = send(fresh, CHAT_BYTES, value)
-    if is_single_message(fresh) and not is_utf8(value):
-        # header_to_metadata does not carry a value that is not UTF-8: pdproc never sees
-        # it and the decode serves the request alone, as without the header.
-        assert response.status_code == 200, response.text
-        (decode,) = served(fresh, "decode", 1)
-        assert "kv_transfer_params" not in decode["body"]
-    else:
-        assert response.status_code == 400, response.text
-        assert response.headers["x-pdproc-error"] == "bad_request"
-        assert records(fresh, "decode") == []
+    # In single-message mode a value that is not UTF-8 reaches pdproc as a message protobuf
+    # cannot parse (Envoy copies it into a string field): pdproc refuses that too.
+    assert response.status_code == 400, response.text
+    assert response.headers["x-pdproc-error"] == "bad_request"
+    assert records(fresh, "decode") == []
     assert records(fresh, "prefill") == []
 
 
@@ -104,14 +99,10 @@ def is_utf8(value: bytes) -> bool:
 
 # -- single-message mode: header values that are not UTF-8 ---------------------------------
 
-DECODE_ERROR_REASON = (
-    "pdproc bug: in single-message mode Envoy copies header values into proto3 string fields "
-    "(request attributes such as request.headers['authorization'], and the prefill header via "
-    "header_to_metadata) without checking UTF-8; pdproc's gRPC server cannot parse such a "
-    "ProcessingRequest (protobuf DecodeError raised from context.read(), outside the handler's "
-    "catch-all), the ext_proc stream fails, and Envoy fails open: any client can make its "
-    "request bypass pdproc (or, with --fail-closed, get a 500), and each one logs a traceback"
-)
+# Found by this suite: in single-message mode Envoy copies header values into proto3 string
+# fields (request attributes, and the prefill header via header_to_metadata) without checking
+# UTF-8; pdproc's gRPC server could not parse such a ProcessingRequest, the stream failed and
+# Envoy failed open (the request bypassed pdproc). pdproc now answers it with a 400.
 NOT_UTF8 = {
     "prefill-header": ("x-prefiller-host-port", b"10.0.0.1:80\xb2"),
     "authorization": ("authorization", b"Bearer \xb2"),
@@ -129,8 +120,6 @@ def ext_proc_failures(stack: Stack) -> int:
 def test_header_bytes_that_are_not_utf8_are_answered_by_pdproc(
     fresh: Stack, header: tuple[str, bytes], request: pytest.FixtureRequest
 ) -> None:
-    if is_single_message(fresh):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=DECODE_ERROR_REASON))
     name, value = header
     failures = ext_proc_failures(fresh)
     counted = metric(fresh, "pdproc_requests_total")
@@ -142,7 +131,6 @@ def test_header_bytes_that_are_not_utf8_are_answered_by_pdproc(
     assert metric(fresh, "pdproc_requests_total") == counted + 1
 
 
-@pytest.mark.xfail(strict=True, reason=DECODE_ERROR_REASON)
 async def test_single_message_with_non_utf8_attribute_gets_an_answer(
     pod: HostilePod, make_pdproc: Any
 ) -> None:

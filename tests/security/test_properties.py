@@ -198,15 +198,6 @@ UNPRINTABLE = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "pdproc bug: errors.shown() cuts a client value to 64 characters but then repr()s "
-        "them, so unprintable ones grow 4x (latin-1 C1 bytes: '\\x80') or 10x (astral "
-        "characters in single-message metadata: '\\U000e0001'); the 400 message for a bad "
-        "x-prefiller-host-port reaches ~315 bytes (two-message) / ~690 bytes (single-message)"
-    ),
-)
 @pytest.mark.parametrize("case", list(UNPRINTABLE.values()), ids=list(UNPRINTABLE))
 def test_400_message_for_a_bad_header_is_under_300_bytes(
     bg: Background, case: tuple[bytes | str, bool]
