@@ -89,14 +89,6 @@ def test_superscript_port_through_envoy_gets_400(fresh: Stack, value: bytes) -> 
     assert records(fresh, "prefill") == []
 
 
-def is_utf8(value: bytes) -> bool:
-    try:
-        value.decode()
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
 # -- single-message mode: header values that are not UTF-8 ---------------------------------
 
 # Found by this suite: in single-message mode Envoy copies header values into proto3 string
