@@ -158,6 +158,12 @@ def _add_envoy_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=10.0,
         help="seconds a client may take to send its request headers (408 after)",
     )
+    parser.add_argument(
+        "--envoy-version",
+        metavar="X.Y",
+        help="the Envoy release to write the config for, 1.36 to 1.40 (default: "
+        "$PDPROC_ENVOY_VERSION, else the newest)",
+    )
     tls = parser.add_argument_group("TLS to pdproc (pdproc serve --tls-cert/--tls-key)")
     tls.add_argument("--processor-tls-ca", metavar="FILE", help="CA that signed pdproc's cert")
     tls.add_argument("--processor-tls-cert", metavar="FILE", help="client cert (mTLS)")
@@ -218,7 +224,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    from pdproc.envoy_config import EnvoyOptions, parse_targets, render
+    from pdproc.envoy_config import (
+        EnvoyOptions,
+        default_envoy_version,
+        parse_envoy_version,
+        parse_targets,
+        render,
+    )
 
     try:
         options = EnvoyOptions(
@@ -240,6 +252,11 @@ def _envoy_config(args: argparse.Namespace) -> int:
             processor_tls_cert=args.processor_tls_cert,
             processor_tls_key=args.processor_tls_key,
             processor_sni=args.processor_sni,
+            envoy_version=(
+                parse_envoy_version(args.envoy_version)
+                if args.envoy_version
+                else default_envoy_version()
+            ),
         )
     except ValueError as exc:  # TargetError too
         print(f"pdproc envoy-config: {exc}", file=sys.stderr)

@@ -8,9 +8,10 @@ fills in addresses, sizes, timeouts, the P/D paths and the TLS files.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from string import Template
 
@@ -87,6 +88,43 @@ _TLS_SOCKET = """\
 {sans}"""
 
 
+# Envoy releases the generated config is tested with (`scripts/envoy-matrix.sh`).
+SUPPORTED_ENVOY_VERSIONS = ((1, 36), (1, 37), (1, 38), (1, 39), (1, 40))
+NEWEST_ENVOY_VERSION = SUPPORTED_ENVOY_VERSIONS[-1]
+# Default of --envoy-version / EnvoyOptions.envoy_version when set (e.g. by the test matrix).
+ENVOY_VERSION_ENV = "PDPROC_ENVOY_VERSION"
+_VERSION = re.compile(r"(?:^|[/\s])(\d+)\.(\d+)(?:\.\d+)?(?:$|[/\s])")
+
+
+def parse_envoy_version(text: str) -> tuple[int, int]:
+    """`1.36`, `1.36.4` or a line of `envoy --version` output -> (1, 36), if supported."""
+    found = _VERSION.search(text.strip())
+    if found is None:
+        raise ValueError(f"not an Envoy version: {text.strip()[:80]!r}")
+    version = (int(found.group(1)), int(found.group(2)))
+    if version not in SUPPORTED_ENVOY_VERSIONS:
+        first, last = SUPPORTED_ENVOY_VERSIONS[0], SUPPORTED_ENVOY_VERSIONS[-1]
+        raise ValueError(
+            f"Envoy {version[0]}.{version[1]} is not supported "
+            f"(supported: {first[0]}.{first[1]} to {last[0]}.{last[1]})"
+        )
+    return version
+
+
+def default_envoy_version() -> tuple[int, int]:
+    """$PDPROC_ENVOY_VERSION if set, else the newest supported release."""
+    chosen = os.environ.get(ENVOY_VERSION_ENV)
+    return parse_envoy_version(chosen) if chosen else NEWEST_ENVOY_VERSION
+
+
+_LISTENER_BUFFER_LIMIT = """\
+    # Envoy 1.36: the virtual host's request_body_buffer_limit does not raise what a filter
+    # may buffer; the per-connection limit (1 MiB by default) does, so it is raised to the
+    # body limit. It also lets each connection buffer that much before Envoy stops reading
+    # from it (1.37+ need neither).
+    per_connection_buffer_limit_bytes: {limit}"""
+
+
 @dataclass(frozen=True)
 class EnvoyOptions:
     listen: HostPort
@@ -110,6 +148,8 @@ class EnvoyOptions:
     request_timeout_s: float = 60.0
     # The kv guard Lua filter after ext_proc (False only to measure what it costs).
     kv_guard: bool = True
+    # The Envoy release the config is for, (major, minor): the few settings that differ.
+    envoy_version: tuple[int, int] = field(default_factory=default_envoy_version)
     # TLS to pdproc: CA that signed pdproc's certificate; client certificate and key (mTLS);
     # the name to send as SNI and to expect in pdproc's certificate.
     processor_tls_ca: str | None = None
@@ -118,6 +158,8 @@ class EnvoyOptions:
     processor_sni: str | None = None
 
     def __post_init__(self) -> None:
+        if self.envoy_version not in SUPPORTED_ENVOY_VERSIONS:
+            parse_envoy_version("{}.{}".format(*self.envoy_version))  # raises, with the range
         if self.request_timeout_s <= self.message_timeout_s:
             raise ValueError(
                 f"request timeout ({self.request_timeout_s} s) must exceed the ext_proc message "
@@ -234,6 +276,11 @@ def render(options: EnvoyOptions) -> str:
         listen_port=options.listen.port,
         access_log=_ACCESS_LOG.rstrip("\n") if options.access_log else "",
         max_body_bytes=options.max_body_bytes,
+        listener_buffer_limit=(
+            _LISTENER_BUFFER_LIMIT.format(limit=options.max_body_bytes)
+            if options.envoy_version < (1, 37)
+            else ""
+        ),
         pd_routes=_pd_routes(options.pd_paths),
         pd_variant_regex=_pd_variant_regex(options.pd_paths),
         pd_variant_body=_PD_VARIANT_BODY,

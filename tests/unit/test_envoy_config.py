@@ -71,7 +71,10 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return out
 
 
-def test_reference_config_is_current_and_valid(capsys: pytest.CaptureFixture[str]) -> None:
+def test_reference_config_is_current_and_valid(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PDPROC_ENVOY_VERSION", raising=False)  # the reference is the newest
     text = render(
         capsys,
         "--listen", "0.0.0.0:10000", "--processor", "127.0.0.1:9002",
@@ -100,6 +103,8 @@ def test_generated_configs_validate(
         "mtls-sni": ["--decode", "127.0.0.1:8200", "--processor", "pdproc.ns.svc:9002",
                      *mtls, "--processor-sni", "pdproc.test"],
         "mtls-single": ["--decode", "127.0.0.1:8200", "--single-message", *mtls],
+        "envoy-1.36": ["--decode", "127.0.0.1:8200", "--envoy-version", "1.36"],
+        "envoy-1.37": ["--decode", "127.0.0.1:8200", "--envoy-version", "1.37.0"],
     }  # fmt: skip
     for name, args in variants.items():
         path = tmp_path / f"{name}.yaml"
@@ -292,6 +297,9 @@ def test_processor_tls_and_mtls(capsys: pytest.CaptureFixture[str]) -> None:
         ["--processor-tls-ca", "/ca.pem", "--processor-tls-cert", "/c.pem"],  # no key
         ["--processor-sni", "pdproc"],  # no CA
         ["--request-timeout", "5"],  # not above the 10 s message timeout
+        ["--envoy-version", "1.35"],
+        ["--envoy-version", "1.41.0"],
+        ["--envoy-version", "latest"],
     ],
 )
 def test_inconsistent_options_are_refused(
@@ -299,3 +307,40 @@ def test_inconsistent_options_are_refused(
 ) -> None:
     assert main(["envoy-config", "--decode", "127.0.0.1:8200", *args]) == 2
     assert "pdproc envoy-config:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("version", "connection_limit"),
+    [("1.36", True), ("1.36.4", True), ("1.37", False), ("1.40.0", False), (None, False)],
+)
+def test_envoy_136_also_raises_the_per_connection_limit(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    version: str | None,
+    connection_limit: bool,
+) -> None:
+    """Envoy 1.36 does not apply the virtual host's request_body_buffer_limit to what
+    filters buffer (a 2 MiB prompt got 413): its config raises the listener's limit too."""
+    monkeypatch.delenv("PDPROC_ENVOY_VERSION", raising=False)
+    args = ["--decode", "127.0.0.1:8200", "--max-body-bytes", "4194304"]
+    config = yaml.safe_load(
+        render(capsys, *args, *(["--envoy-version", version] if version else []))
+    )
+    listener = config["static_resources"]["listeners"][0]
+    if connection_limit:
+        assert listener["per_connection_buffer_limit_bytes"] == 4194304
+    else:
+        assert "per_connection_buffer_limit_bytes" not in listener
+    assert (
+        hcm_of(config)["route_config"]["virtual_hosts"][0]["request_body_buffer_limit"] == 4194304
+    )
+
+
+def test_envoy_version_defaults_to_the_environment(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDPROC_ENVOY_VERSION", "1.36.2")
+    config = yaml.safe_load(render(capsys, "--decode", "127.0.0.1:8200"))
+    assert "per_connection_buffer_limit_bytes" in config["static_resources"]["listeners"][0]
+    monkeypatch.setenv("PDPROC_ENVOY_VERSION", "0.9")
+    assert main(["envoy-config", "--decode", "127.0.0.1:8200"]) == 2
