@@ -18,7 +18,6 @@ from .conftest import (
     CHAT_BYTES,
     SECONDS,
     has_series,
-    is_single_message,
     metric,
     raw_records,
     send,
@@ -100,9 +99,6 @@ def test_fuzzed_bodies_through_envoy(fresh: Stack) -> None:
 def test_fuzzed_prefiller_headers_through_envoy(fresh: Stack) -> None:
     errors = ext_proc_errors(fresh)
     pod = fresh.sim.prefill
-    # Single-message mode cannot carry bytes that are not UTF-8 to pdproc (a known bug:
-    # test_header_bytes.py::test_header_bytes_that_are_not_utf8_are_answered_by_pdproc).
-    encodings = ("utf-8",) if is_single_message(fresh) else ("latin-1", "utf-8")
 
     @FUZZ
     @given(value=header_values(pod.port, longest=20_000, printable=True))
@@ -110,7 +106,7 @@ def test_fuzzed_prefiller_headers_through_envoy(fresh: Stack) -> None:
     @example(value=f"http://{pod}/,10.0.0.1:1")
     def check(value: str) -> None:
         tag = f"fuzz-{next(_tags)}"
-        for encoding in encodings:
+        for encoding in ("latin-1", "utf-8"):
             # HTTP drops blanks around a value (and an HTTP client will not send them).
             header = as_header(value.strip(" \t"), encoding)
             assert isinstance(header, bytes)
