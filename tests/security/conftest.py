@@ -13,7 +13,7 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -187,13 +187,17 @@ def send(
     body: bytes,
     prefill: str | bytes | None = None,
     path: str = CHAT_PATH,
-    headers: dict[str, str | bytes] | None = None,
+    headers: Mapping[str, str | bytes] | None = None,
 ) -> httpx.Response:
-    """A client's request through Envoy."""
+    """A client's request through Envoy (header values as given, bytes included)."""
     sent: dict[str, str | bytes] = {"content-type": "application/json", **(headers or {})}
     if prefill is not None:
         sent["x-prefiller-host-port"] = prefill
-    return httpx.post(stack.envoy.url + path, content=body, headers=sent, timeout=60)
+    raw = {
+        name.encode(): value if isinstance(value, bytes) else value.encode()
+        for name, value in sent.items()
+    }
+    return httpx.post(stack.envoy.url + path, content=body, headers=raw, timeout=60)
 
 
 def records(stack: Stack, role: str) -> list[dict[str, Any]]:
@@ -223,7 +227,7 @@ def served(stack: Stack, role: str, count: int) -> list[dict[str, Any]]:
 
 
 def metric(stack: Stack, name: str, **labels: str) -> float:
-    return stack.metric(name, **labels)
+    return float(stack.metric(name, **labels))
 
 
 def has_series(stack: Stack, name: str) -> bool:
@@ -249,7 +253,7 @@ def log_lines(
     while True:
         with stack.pdproc.log_path.open("rb") as log:
             log.seek(mark)
-            lines = log.read().decode("utf-8", "replace").splitlines()
+            lines: list[str] = log.read().decode("utf-8", "replace").splitlines()
         if until is None or until(lines):
             return lines
         assert time.monotonic() < deadline, f"log lines not seen: {lines[-5:]}"

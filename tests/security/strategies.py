@@ -150,7 +150,10 @@ def client_bodies(draw: st.DrawFn, primed_fields: bool = True) -> bytes:
             )
         )
     )
-    body = {"model": "m", "messages": [{"role": "user", "content": draw(st.text())}]}
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": draw(st.text())}],
+    }
     body.update(primed)
     body.update(extras)
     parts = [write(body, ascii_only=ascii_only, escape_keys=escape_keys)[1:-1]]
@@ -233,7 +236,11 @@ def header_values(
     """Header values: comma lists of entries naming the pod (only ever at its own port) or
     anything else, long runs, and any text. `printable` keeps to what an HTTP client can
     send (no control characters)."""
-    chars = st.characters(exclude_categories=("Cs", "Cc") if printable else ("Cs",))
+    chars = (
+        st.characters(exclude_categories=("Cs", "Cc"))
+        if printable
+        else st.characters(codec="utf-8")  # anything but surrogates
+    )
     port = st.sampled_from([str(pod_port), *BAD_PORTS]) | st.text(chars, max_size=6)
     pod_entry = st.builds(
         lambda prefix, port, suffix: f"{prefix}127.0.0.1:{port}{suffix}",

@@ -104,7 +104,7 @@ NOT_UTF8 = {
 
 def ext_proc_failures(stack: Stack) -> int:
     stats = stack.envoy.stats("http.ingress.ext_proc.")
-    return stats.get("http.ingress.ext_proc.streams_failed", 0)
+    return int(stats.get("http.ingress.ext_proc.streams_failed", 0))
 
 
 @pytest.mark.e2e
