@@ -33,7 +33,7 @@ from pdproc.errors import ErrorKind, ErrorReply
 from pdproc.prefill import PrefillJob, PrefillOutcome
 from pdproc.request_body import BodyError, parse_body
 from pdproc.targets import HostPort
-from pdproc.telemetry import ATTR_OUTCOME, ATTR_TARGET, fail, trace_fields
+from pdproc.telemetry import ATTR_CONNECTOR, ATTR_OUTCOME, ATTR_TARGET, fail, trace_fields
 
 if TYPE_CHECKING:
     from pdproc.service import ExtProcService
@@ -218,6 +218,7 @@ class Disaggregated(_BodyChecks):
         self._busy_s = 0.0
         if context.span is not None:
             context.span.set_attribute(ATTR_TARGET, str(target))
+            context.span.set_attribute(ATTR_CONNECTOR, context.service.connector.name)
 
     def request_headers(self) -> Answer:
         started = time.perf_counter()
