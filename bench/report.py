@@ -62,6 +62,7 @@ def metric(row: dict[str, Any] | None, name: str) -> float | None:
         "rps": row["rps"],
         "proxy_cpu_ms": row["proxy_cpu_ms_per_req"],
         **{f"cpu_{role}_ms": cpu.get(role) for role in CPU_ROLES},
+        **{f"cpu_{role}_ms_stat": row["cpu_ms_per_req_stat"].get(role) for role in ROLES},
         "host_busy": row["host_busy"],
         "paired_share": row["paired"] / row["ok"] if row["pd"] and row["ok"] else None,
         "pdproc_processing_ms_mean": row.get("pdproc_processing_ms_mean"),
@@ -86,6 +87,7 @@ CELL_METRICS = (
     "rps",
     "proxy_cpu_ms",
     *(f"cpu_{role}_ms" for role in CPU_ROLES),
+    *(f"cpu_{role}_ms_stat" for role in ROLES),
     "host_busy",
     "paired_share",
     "pdproc_processing_ms_mean",
@@ -339,8 +341,10 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["", *_headline_lines(summary)]
     lines += [
         "",
-        "CPU is each process's utime+stime over the measured requests only, per completed "
-        "request (ms per request = s per 1,000): *processor* is pdproc or the floor, *router* "
+        "CPU is each process's time on a CPU (schedstat, all its threads and workers) over "
+        "the measured requests only, per completed request (ms per request = s per 1,000; "
+        "utime+stime from /proc/<pid>/stat, in 10 ms ticks, is in results.json as a "
+        "cross-check): *processor* is pdproc or the floor, *router* "
         "vllm-router or sglang-router, *sim* the simulated pair, *client* the load generator. "
         "*ext_proc msgs/req*: gRPC messages between Envoy and the processor, both ways "
         "(Envoy's counters). *Paired*: share of requests whose decode got its KV from a "

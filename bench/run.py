@@ -34,12 +34,13 @@ from bench.stack import (
     DESCRIPTIONS,
     PROXY_ROLES,
     Bench,
+    CpuReading,
     StackOptions,
     Target,
     bench_stack,
     cpu_delta,
     host_cpu,
-    tree_cpu_s,
+    tree_cpu,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -352,7 +353,7 @@ def _stats(values: Sequence[float]) -> dict[str, float | None]:
 class Snapshot:
     """Everything read at one edge of the measured phase."""
 
-    cpu: dict[str, dict[int, float]]  # role -> pid -> CPU seconds
+    cpu: dict[str, CpuReading]  # role -> the CPU time of its process tree
     host: tuple[float, float]
     decode: dict[str, Any]  # the simulated decode's /sim/stats
     processing: tuple[float, float] | None  # pdproc_request_processing_seconds sum, count
@@ -399,7 +400,7 @@ def snapshot(target: Target, *, before: bool) -> Snapshot:
     Envoy and pdproc a little CPU) happen outside the CPU bracket."""
     if before:
         processing, decode, ext_proc = _processing(target), _sim_stats(target), _ext_proc(target)
-    cpu = {role: tree_cpu_s(pid) for role, pid in target.pids.items()}
+    cpu = {role: tree_cpu(pid) for role, pid in target.pids.items()}
     host = host_cpu()
     if not before:
         ext_proc, decode, processing = _ext_proc(target), _sim_stats(target), _processing(target)
@@ -486,9 +487,14 @@ def run_cell(
         row.update(ok=0, failed=n, errors={raw.get("error", "no result"): 1})
         return row
     ok = raw["ok"]
-    cpu_s = {role: cpu_delta(first.cpu[role], second.cpu[role]) for role in target.pids}
+    deltas = {role: cpu_delta(first.cpu[role], second.cpu[role]) for role in target.pids}
+    cpu_s = {role: run for role, (run, _) in deltas.items()}
     cpu_s["client"] = raw["client_cpu_s"]
     per_req = {role: None if s is None or not ok else s * 1000 / ok for role, s in cpu_s.items()}
+    # The same from /proc/<pid>/stat (10 ms ticks): a cross-check of the schedstat figures.
+    per_req_stat = {
+        role: None if s is None or not ok else s * 1000 / ok for role, (_, s) in deltas.items()
+    }
     proxy = [per_req[role] for role in PROXY_ROLES if role in target.pids]
     busy = second.host[0] - first.host[0]
     total = second.host[1] - first.host[1]
@@ -511,6 +517,7 @@ def run_cell(
         e2e_ms=_stats(raw["e2e_ms"]),
         cpu_s=cpu_s,
         cpu_ms_per_req=per_req,
+        cpu_ms_per_req_stat=per_req_stat,
         proxy_cpu_ms_per_req=(
             sum(v for v in proxy if v is not None)
             if proxy and all(v is not None for v in proxy)

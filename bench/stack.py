@@ -444,22 +444,51 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def tree_cpu_s(pid: int) -> dict[int, float]:
-    """CPU seconds of the process and each live descendant, by pid (a pid that exits between
-    two readings drops out of both sides of the difference)."""
+@dataclass(frozen=True)
+class CpuReading:
+    """One reading of a process tree's CPU time, two ways.
+
+    `stat`: utime + stime from /proc/<pid>/stat per process (threads that already exited
+    included), in the kernel's 10 ms clock ticks. `run`: each thread's time on a CPU from
+    /proc/<pid>/task/<tid>/schedstat, in nanoseconds: the per-request figures use it, since
+    100 requests make a tick 0.1 ms per request.
+    """
+
+    stat: dict[int, float]  # pid -> seconds
+    run: dict[int, float]  # tid -> seconds
+
+
+def _run_time(pid: int) -> dict[int, float]:
     out: dict[int, float] = {}
-    for member in (pid, *descendants(pid)):
-        value = proc_cpu_s(member)
-        if value is not None:
-            out[member] = value
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            out[int(task.name)] = int((task / "schedstat").read_text().split()[0]) / 1e9
     return out
 
 
-def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float | None:
-    common = before.keys() & after.keys()
+def tree_cpu(pid: int) -> CpuReading:
+    """CPU time of the process and each live descendant (a pid that exits between two
+    readings drops out of both sides of the difference)."""
+    stat: dict[int, float] = {}
+    run: dict[int, float] = {}
+    for member in (pid, *descendants(pid)):
+        value = proc_cpu_s(member)
+        if value is not None:
+            stat[member] = value
+            run.update(_run_time(member))
+    return CpuReading(stat, run)
+
+
+def cpu_delta(before: CpuReading, after: CpuReading) -> tuple[float | None, float | None]:
+    """(on-CPU seconds from schedstat, utime+stime seconds from stat) between two readings.
+    A thread started in between counts whole; one that ended in between is lost to the
+    schedstat sum (stat keeps it: compare the two)."""
+    common = before.stat.keys() & after.stat.keys()
     if not common:
-        return None
-    return sum(after[pid] - before[pid] for pid in common)
+        return None, None
+    stat = sum(after.stat[pid] - before.stat[pid] for pid in common)
+    run = sum(value - before.run.get(tid, 0.0) for tid, value in after.run.items())
+    return run, stat
 
 
 def host_cpu() -> tuple[float, float]:
