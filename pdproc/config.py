@@ -86,6 +86,13 @@ def _count(value: str) -> int:
     return number
 
 
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise ValueError(f"{value} is negative")
+    return number
+
+
 def _port(value: str) -> int:
     port = int(value)
     if not 0 < port < 65536:
@@ -158,6 +165,12 @@ class Settings:
         _path,
         repeat=True,
         combine=frozenset,
+    )
+    pd_min_prompt: int = _setting(
+        0,
+        "Pool mode (no x-prefiller-host-port): request bodies shorter than this many bytes "
+        "are served by the decode alone (0: every request is disaggregated).",
+        _non_negative_int,
     )
     kv_connector: KvConnector = _setting(
         KvConnector.MOONCAKE,

@@ -17,6 +17,7 @@ from pdproc.targets import AllowList, HostPort, TargetError, target_from_header
 @dataclass(frozen=True, slots=True)
 class Chosen:
     target: HostPort
+    from_pool: bool = False  # pdproc's own choice, not the endpoint picker's
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +64,7 @@ def pick_target(
             return NoTarget()
         for member in sorted(pool, key=in_flight):
             if breaker_allows(member):
-                return Chosen(member)
+                return Chosen(member, from_pool=True)
         return Unavailable("every prefill pool member is failing")
     if not allow.allows(named) and not in_pool(named):
         return Forbidden(f"prefill target {named} is not allowed")

@@ -209,10 +209,13 @@ class DecodeOnly(_BodyChecks, PassThrough):
 class Disaggregated(_BodyChecks):
     """The P/D pair: prefill launched by pdproc, decode carried by Envoy."""
 
-    def __init__(self, context: RequestContext, target: HostPort, abort: Abort) -> None:
+    def __init__(
+        self, context: RequestContext, target: HostPort, abort: Abort, *, min_prompt: int = 0
+    ) -> None:
         self.context = context
         self._target = target
         self._abort = abort
+        self._min_prompt = min_prompt
         self._job: PrefillJob | None = None
         self._response_seen = False
         self._busy_s = 0.0
@@ -239,6 +242,9 @@ class Disaggregated(_BodyChecks):
         checked = self._checked(body)
         if isinstance(checked, ErrorReply):
             return self.context.reject(checked)
+        if len(checked.raw) < self._min_prompt:
+            # Too short for P/D to pay: the decode does it all (--pd-min-prompt).
+            return DecodeOnly(self.context, "short_prompt").served_alone()
         engines: EngineMap | None = None
         if service.connector.uses_engines:
             try:

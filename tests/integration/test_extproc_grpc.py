@@ -550,3 +550,29 @@ async def test_single_message_mode_reads_every_header_attribute(h: Harness) -> N
     assert record["headers"]["x-api-key"] == "k-123"
     assert record["headers"]["authorization"] == "Bearer t"
     assert record["headers"]["x-request-id"] == "req-attr"
+
+
+async def test_pool_mode_leaves_short_prompts_to_the_decode(
+    make_harness: Callable[..., Any], prefill: RunningPrefill
+) -> None:
+    """--pd-min-prompt: in pool mode a body below the bound is served by the decode alone
+    (counted short_prompt); an endpoint picker's explicit choice is kept."""
+    from pdproc.targets import parse_host_port
+
+    long_chat = {**CHAT, "messages": [{"role": "user", "content": "x" * 2000}]}
+    h: Harness = await make_harness(prefill=(parse_host_port(prefill.address),), pd_min_prompt=1000)
+    for body, extra, rewritten in (
+        (CHAT, {}, False),
+        (long_chat, {}, True),
+        (CHAT, h.target, True),
+    ):
+        call = h.open()
+        await call.write(headers_msg(extra=extra))
+        await recv(call)
+        await call.write(body_msg(body))
+        answer = await recv(call)
+        assert answer.request_body.response.HasField("body_mutation") is rewritten
+        await call.done_writing()
+    path = "/v1/chat/completions"
+    assert h.sample("pdproc_requests_total", path=path, outcome="short_prompt") == 1
+    await eventually(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 2)
