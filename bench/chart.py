@@ -59,6 +59,7 @@ def draw(results: dict[str, Any], path: Path) -> str | None:
     width = 0.84 / len(configs)
     for column, size in enumerate(sizes):
         ttft_ax, cpu_ax = axes[0][column], axes[1][column]
+        tallest = 0.0
         for k, config in enumerate(configs):
             colour = colours[k % len(colours)]
             xs, heights, low, high = [], [], [], []
@@ -90,6 +91,7 @@ def draw(results: dict[str, Any], path: Path) -> str | None:
                     linewidth=0.3,
                 )
                 bottom = [b + v for b, v in zip(bottom, layers[key], strict=True)]
+            tallest = max([tallest, *bottom])
         for ax in (ttft_ax, cpu_ax):
             ax.set_xticks(range(len(levels)), [f"c={level}" for level in levels])
             ax.grid(axis="y", alpha=0.3)
@@ -100,6 +102,7 @@ def draw(results: dict[str, Any], path: Path) -> str | None:
             "(plain: Envoy, //: processor, ..: router)"
         )
         cpu_ax.set_ylabel("CPU ms per request")
+        cpu_ax.set_ylim(0, tallest * 1.08 or 1.0)  # stacked bars: autoscale misses the tops
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(6, len(configs)), fontsize="small")
     meta = results["meta"]
