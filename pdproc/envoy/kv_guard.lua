@@ -7,8 +7,11 @@
 -- whose top-level JSON object has the key kv_transfer_params, and any body it cannot verify.
 --
 -- Cost: when pdproc checked the body nothing is scanned or copied. Otherwise the body is
--- copied into Lua once and its top level walked with string.find jumps (per JSON token of
--- the top-level object and per quote, backslash or bracket inside values, never per byte).
+-- copied into Lua once and its top level walked with string.find jumps, never a loop per
+-- byte: a plain find from quote to quote through strings (escapes cost nothing), a
+-- character-class find from bracket to bracket between the strings of nested values, one
+-- anchored find per token of the top-level object. Measured at 1 MiB: +0.1 ms for one long
+-- prompt string, +3 ms for 8,192 chat messages (docs/envoy-versions.md).
 --
 -- Conservative on purpose: a top-level key containing any backslash escape is refused
 -- ("kv\u005ftransfer_params" is the same key to the decode's JSON parser), and so is a body
@@ -20,25 +23,31 @@ local KV_KEY = "kv_transfer_params"
 
 local find, sub, byte = string.find, string.sub, string.byte
 
-local QUOTE, LBRACE, RBRACE, LBRACKET = 34, 123, 125, 91
+local QUOTE, BACKSLASH, LBRACE, RBRACE, LBRACKET = 34, 92, 123, 125, 91
 
 local function checked(handle)
   local meta = handle:streamInfo():dynamicMetadata():get(NAMESPACE)
   return meta ~= nil and meta[CHECKED] == true
 end
 
--- Index of the quote closing the JSON string whose opening quote is at i, or nil.
+-- Index of the quote closing the JSON string whose opening quote is at i, or nil. A plain
+-- find (memchr speed) jumps from quote to quote; a quote preceded by an odd number of
+-- backslashes is escaped.
 local function string_end(s, i)
   local pos = i + 1
   while true do
-    local j = find(s, '["\\]', pos)
+    local j = find(s, '"', pos, true)
     if j == nil then
       return nil
     end
-    if byte(s, j) == QUOTE then
+    local k = j - 1
+    while byte(s, k) == BACKSLASH do -- stops at the opening quote at the latest
+      k = k - 1
+    end
+    if (j - 1 - k) % 2 == 0 then
       return j
     end
-    pos = j + 2 -- a backslash escapes the next character ("\uXXXX": hex digits follow)
+    pos = j + 1
   end
 end
 
