@@ -8,8 +8,8 @@
 # unprivileged user and writes nothing to its filesystem (Kubernetes runs it read-only).
 #
 # The image installs the wheel, built exactly as `make dist` builds the one `make test`
-# tests (`python -m build`: the sdist, then the wheel from the sdist), with its `fast` extra
-# (uvloop); never `pip install .[fast]` of the source tree. The default (last) stage is
+# tests (`python -m build`: the sdist, then the wheel from the sdist) (uvloop comes with it);
+# never `pip install .[fast]` of the source tree. The default (last) stage is
 # pdproc alone; `--target sim` adds the simulator (pdproc-sim) for the compose dev stack.
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -32,7 +32,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 COPY --from=wheels /dist /dist
 # A virtualenv copied whole into the runtime stage (same base image, same path).
 RUN python -m venv /opt/pdproc \
- && /opt/pdproc/bin/pip install "$(ls /dist/pdproc-*.whl)[fast]"
+ && /opt/pdproc/bin/pip install "$(ls /dist/pdproc-*.whl)"
 
 FROM venv AS sim-venv
 RUN /opt/pdproc/bin/pip install /dist/pdproc_sim-*.whl
