@@ -73,8 +73,8 @@ test-installed:
 	PDPROC_TEST_INSTALLED=1 PDPROC_DIST="$(abspath $(DIST))" \
 	  $(TPY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
+# scripts/validate-deploy.sh runs inside the suite (tests/unit/test_deploy_manifests.py).
 test: lint protos-check test-venv
-	if [ -f scripts/validate-deploy.sh ]; then PYTHON=$(TPY) bash scripts/validate-deploy.sh; fi
 	$(MAKE) --no-print-directory test-installed PYTEST_ARGS=tests
 
 # The end-to-end suite against several Envoy versions (scripts/envoy-matrix.sh picks each
