@@ -8,7 +8,10 @@ requests alternate between them (one at a time, so the two see the same machine)
 - pdproc up: pdproc has checked the body (pdproc.body_checked), so the guard only looks at
   that mark (two-message mode: before the body arrives, so nothing is buffered).
 
-    .venv/bin/python scripts/measure_kv_guard.py [--requests 200] [--size-mib 1]
+    .venv/bin/python scripts/measure_kv_guard.py [--requests 200] [--size-mib 1] [--single-message]
+
+(--single-message: both Envoys in single-message mode, where the guard waits for the body
+before it looks at pdproc's mark, also when pdproc is up.)
 
 Prints one Markdown table: client latency p50 / p90 with and without the guard, per body
 shape (one long prompt string; a prompt with a JSON escape every 16 bytes; thousands of
@@ -52,7 +55,9 @@ def path_for(name: str) -> str:
 
 
 @contextlib.contextmanager
-def envoys(workdir: Path, pdproc_up: bool) -> Iterator[tuple[Envoy, Envoy, str]]:
+def envoys(
+    workdir: Path, pdproc_up: bool, single_message: bool
+) -> Iterator[tuple[Envoy, Envoy, str]]:
     sim = start_sim(workdir, ["--dp-ranks", "1"])
     started = [sim.process]
     try:
@@ -65,9 +70,12 @@ def envoys(workdir: Path, pdproc_up: bool) -> Iterator[tuple[Envoy, Envoy, str]]
             started.append(proc)
             processors = [addr]
             header = str(sim.prefill)
-        with_guard = start_envoy(workdir, [sim.decode], processors, extra_options={})
+        mode = {"single_message": single_message}
+        with_guard = start_envoy(workdir, [sim.decode], processors, extra_options=mode)
         started.append(with_guard.process)
-        without = start_envoy(workdir, [sim.decode], processors, extra_options={"kv_guard": False})
+        without = start_envoy(
+            workdir, [sim.decode], processors, extra_options={**mode, "kv_guard": False}
+        )
         started.append(without.process)
         yield with_guard, without, header
     finally:
@@ -89,11 +97,13 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples), cuts[8]
 
 
-def measure(requests: int, size: int, pdproc_up: bool) -> list[dict[str, Any]]:
+def measure(
+    requests: int, size: int, pdproc_up: bool, single_message: bool
+) -> list[dict[str, Any]]:
     rows = []
     with (
         tempfile.TemporaryDirectory(prefix="pdproc-guard-") as tmp,
-        envoys(Path(tmp), pdproc_up) as (with_guard, without, _),
+        envoys(Path(tmp), pdproc_up, single_message) as (with_guard, without, _),
         httpx.Client(timeout=60) as client,
     ):
         for name, body in bodies(size).items():
@@ -109,7 +119,8 @@ def measure(requests: int, size: int, pdproc_up: bool) -> list[dict[str, Any]]:
             p50_off, p90_off = percentiles(off)
             rows.append(
                 {
-                    "mode": "pdproc up" if pdproc_up else "fail-open (pdproc down)",
+                    "mode": ("pdproc up" if pdproc_up else "fail-open (pdproc down)")
+                    + (", single-message" if single_message else ""),
                     "body": f"{name} ({len(body) / MiB:.2f} MiB)",
                     "with": (p50_on, p90_on),
                     "without": (p50_off, p90_off),
@@ -122,10 +133,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200, help="per body shape and Envoy")
     parser.add_argument("--size-mib", type=float, default=1.0)
+    parser.add_argument("--single-message", action="store_true")
     args = parser.parse_args()
     size = int(args.size_mib * MiB)
-    rows = measure(args.requests, size, pdproc_up=False)
-    rows += measure(args.requests, size, pdproc_up=True)
+    rows = measure(args.requests, size, False, args.single_message)
+    rows += measure(args.requests, size, True, args.single_message)
     print("| mode | body | p50 / p90 ms with the guard | without | p50 difference |")
     print("|---|---|---|---|---|")
     for row in rows:
