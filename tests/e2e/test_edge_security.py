@@ -433,11 +433,10 @@ def test_client_kv_params_get_400_while_pdproc_drains(tmp_path: Path, canary: Ca
     with running_stack(SIM, ["--shutdown-delay", "5"], workdir=tmp_path) as st:
         st.pdproc.popen.send_signal(signal.SIGTERM)
         eventually(lambda: http_get(st.metrics_addr.url() + "/readyz")[0] == 503)
-        started = time.monotonic()
         for body in (attack(canary), orjson.dumps(attack(canary))):
             reply = send(st, "/v1/chat/completions", body, target(st))
             assert_openai_error(reply, 400)
-        assert time.monotonic() - started < 5  # still inside the shutdown delay
+        assert st.pdproc.popen.poll() is None  # still inside the shutdown delay
         assert decode_records(st) == []
         assert prefill_records(st) == []
         assert canary.hits == []
