@@ -88,12 +88,16 @@ def pdproc_speaks(connector: str) -> bool:
     return pdproc_has_flag("--kv-connector") and connector in pdproc_serve_help()
 
 
-def envoy_version_of(binary: str) -> tuple[int, int]:
-    """(major, minor) of an Envoy binary, from `envoy --version`."""
-    output = subprocess.run(
-        [binary, "--version"], capture_output=True, text=True, timeout=30, check=True
-    ).stdout
-    return parse_envoy_version(output)
+def envoy_version_of(binary: str) -> tuple[int, int] | None:
+    """(major, minor) of an Envoy binary, from `envoy --version`; None when it does not say
+    (its start will then fail, and report, on its own)."""
+    try:
+        answer = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=30, check=True
+        )
+        return parse_envoy_version(answer.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
 
 
 def wait_for(check: Any, what: str, timeout_s: float = 30.0, proc: Process | None = None) -> None:
@@ -271,7 +275,9 @@ def start_envoy(
     extra = dict(extra_options or {})
     if "envoy_version" not in extra and ENVOY_VERSION_ENV not in os.environ:
         # The config is written for the Envoy that runs it (1.36 needs its own buffer limit).
-        extra["envoy_version"] = envoy_version_of(binary)
+        version = envoy_version_of(binary)
+        if version is not None:
+            extra["envoy_version"] = version
     options = EnvoyOptions(
         listen=listen,
         processor=list(processors) or [HostPort("127.0.0.1", 9)],
