@@ -73,7 +73,7 @@ test-installed:
 	PDPROC_TEST_INSTALLED=1 PDPROC_DIST="$(abspath $(DIST))" \
 	  $(TPY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-# scripts/validate-deploy.sh runs inside the suite (tests/unit/test_deploy_manifests.py).
+# scripts/validate-deploy.sh runs inside the suite (tests/deploy/test_manifests.py).
 # Then the P/D, edge-security and mTLS suites and the config validation run again on the
 # oldest supported Envoy (what Envoy Gateway v1.6 ships); `make test-envoy-matrix` runs the
 # whole end-to-end suite on every supported release.
@@ -83,7 +83,7 @@ test: lint protos-check test-venv
 
 OLDEST_ENVOY ?= 1.36.4
 OLDEST_ENVOY_TESTS ?= tests/e2e/test_pd_through_envoy.py tests/e2e/test_edge_security.py \
-	tests/e2e/test_mtls.py tests/unit/test_envoy_config.py
+	tests/e2e/test_mtls.py tests/e2e/test_envoy_config.py
 INSTALLED_ENV = PYTHON=$(TPY) PDPROC_TEST_INSTALLED=1 PDPROC_DIST="$(abspath $(DIST))"
 
 test-oldest-envoy:

@@ -17,7 +17,7 @@
 #   PYTHON          interpreter with pdproc, pdproc-sim and the test dependencies
 #                   (default: .venv/bin/python, else python3)
 #   MATRIX_TESTS    pytest arguments (default: the e2e suite without the benchmark smoke
-#                   run, plus tests/unit/test_envoy_config.py)
+#                   run; it includes tests/e2e/test_envoy_config.py)
 #   MATRIX_LOGS     folder for each release's pytest output (default: a new temp folder)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +33,7 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 cache="${PDPROC_ENVOY_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pdproc/envoy}"
 logs="${MATRIX_LOGS:-$(mktemp -d "${TMPDIR:-/tmp}/pdproc-envoy-matrix.XXXXXX")}"
-tests="${MATRIX_TESTS:-tests/e2e --ignore=tests/e2e/test_bench_smoke.py tests/unit/test_envoy_config.py}"
+tests="${MATRIX_TESTS:-tests/e2e --ignore=tests/e2e/test_bench_smoke.py}"
 mkdir -p "$cache" "$logs"
 
 envoy_for() {  # version -> path of its envoy binary, installed on first use

@@ -64,7 +64,7 @@ COMPOSE_ENVOY_ARGS = [
 ]
 # Metrics that are not pdproc's own and that the rules and the dashboard may use: Prometheus'
 # own series, and Envoy's ext_proc statistics as /stats/prometheus names them (checked
-# against a real Envoy by tests/unit/test_deploy_monitoring.py).
+# against a real Envoy by tests/deploy/test_monitoring.py).
 ENVOY_EXT_PROC_STATS = (
     "streams_started",
     "streams_failed",

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.unit.test_deploy_manifests import venv
+from tests.deploy.test_manifests import venv
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from pdproc.cli import ConfigError, resolve
-from tests.unit.test_deploy_manifests import venv
-from tests.unit.test_deploy_monitoring import fetch, free_port
+from tests.deploy.test_manifests import venv
+from tests.deploy.test_monitoring import fetch, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "deploy" / "tools"))
