@@ -78,3 +78,17 @@ class Connector(Protocol):
     def on_failure(self, status: int | None) -> OnFailure:
         """What a prefill that failed (with this HTTP status, or none at all) means."""
         ...
+
+
+class Concurrent:
+    """Base of the connectors whose prefill runs beside the decode (Mooncake, SGLang): both
+    legs are built up front, and a failed prefill ends the request, because the decode is
+    already waiting for KV that will never come."""
+
+    sequential = False
+
+    def decode_body(self, request: ClientRequest, prefill_answer: bytes) -> bytes:
+        raise NotImplementedError(f"{type(self).__name__} builds the decode leg up front")
+
+    def on_failure(self, status: int | None) -> OnFailure:
+        return OnFailure.ABORT

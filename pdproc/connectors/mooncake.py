@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from pdproc.connectors import ClientRequest, EngineMap, Legs, OnFailure
+from pdproc.connectors import ClientRequest, Concurrent, EngineMap, Legs
 from pdproc.errors import shown
 from pdproc.request_body import KV_PARAMS, dumps, prime_single_token, with_field
 from pdproc.targets import HostPort
@@ -115,10 +115,9 @@ def prefill_body(path: str, parsed: Mapping[str, Any], params: Mapping[str, Any]
     return dumps(data)
 
 
-class Mooncake:
+class Mooncake(Concurrent):
     name = "mooncake"
     uses_engines = True
-    sequential = False
 
     def __init__(self, bootstrap_port: int) -> None:
         self.bootstrap_port = bootstrap_port
@@ -145,10 +144,3 @@ class Mooncake:
             rank=rank,
             facts={"transfer_id": transfer_id, "dp_rank": rank, "engine_id": engine_id},
         )
-
-    def decode_body(self, request: ClientRequest, prefill_answer: bytes) -> bytes:
-        raise NotImplementedError("Mooncake builds the decode leg up front")
-
-    def on_failure(self, status: int | None) -> OnFailure:
-        # The decode is already waiting for KV that will never come: end it with an error.
-        return OnFailure.ABORT

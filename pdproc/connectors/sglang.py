@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping
 
-from pdproc.connectors import ClientRequest, EngineMap, Legs, OnFailure
+from pdproc.connectors import ClientRequest, Concurrent, EngineMap, Legs
 from pdproc.request_body import BodyError, with_fields
 from pdproc.targets import HostPort
 
@@ -22,10 +22,9 @@ def new_room() -> int:
     return secrets.randbelow(2**63)
 
 
-class SGLang:
+class SGLang(Concurrent):
     name = "sglang"
     uses_engines = False
-    sequential = False
 
     def __init__(self, bootstrap_port: int) -> None:
         self.bootstrap_port = bootstrap_port
@@ -54,10 +53,3 @@ class SGLang:
             prefill_headers={},
             facts={"bootstrap_room": room},
         )
-
-    def decode_body(self, request: ClientRequest, prefill_answer: bytes) -> bytes:
-        raise NotImplementedError("SGLang builds the decode leg up front")
-
-    def on_failure(self, status: int | None) -> OnFailure:
-        # The decode waits in the room for KV that never comes: end it with an error.
-        return OnFailure.ABORT
