@@ -75,12 +75,14 @@ class Stream:
                 # A bug must not turn into a gRPC error (a bare 500, or with fail-open a
                 # request silently not disaggregated): answer it, log it, count it.
                 log.exception("ext_proc message handling failed")
-                reply = ErrorReply(ErrorKind.INTERNAL, "internal error in pdproc")
-                if self._processor is not None:
-                    answer = self._processor.context.reject(reply)
-                else:
-                    answer = msg.immediate(reply)
+                answer = self._internal_error()
             await self._deliver(answer)
+
+    def _internal_error(self) -> msg.Response:
+        reply = ErrorReply(ErrorKind.INTERNAL, "internal error in pdproc")
+        if self._processor is not None:
+            return self._processor.context.reject(reply)
+        return msg.immediate(reply)
 
     def close(self) -> None:
         if self._later is not None and not self._later.done():
@@ -164,6 +166,10 @@ class Stream:
         )
         try:
             answer = await deferred.later
+        except Exception:
+            # As for an answer given at once: a bug is a counted 500, never a silent timeout.
+            log.exception("ext_proc deferred answer failed")
+            answer = self._internal_error()
         finally:
             timer.cancel()
         if held:

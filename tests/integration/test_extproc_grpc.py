@@ -576,3 +576,26 @@ async def test_pool_mode_leaves_short_prompts_to_the_decode(
     path = "/v1/chat/completions"
     assert h.sample("pdproc_requests_total", path=path, outcome="short_prompt") == 1
     await eventually(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 2)
+
+
+async def test_a_bug_in_a_held_answer_is_a_500_not_a_timeout(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdproc import processors
+
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("simulated bug")
+
+    # A stand-in, as above: a defect in the deferred path cannot be produced otherwise.
+    monkeypatch.setattr(processors.Disaggregated, "_settled", broken)
+    await h.faults(prefill_hang=True)
+    call = await h.past_headers()
+    await call.write(body_msg(CHAT))
+    await recv(call)
+    await call.write(response_headers_msg("200"))
+    await h.faults(prefill_hang=False)
+    answer = await recv(call)
+    assert answer.immediate_response.status.code == 500
+    assert orjson.loads(answer.immediate_response.body)["type"] == "InternalServerError"
+    # Still exactly one outcome for the request (its prefill's, counted first).
+    await eventually(lambda: h.sample("pdproc_requests_total") == 1)
