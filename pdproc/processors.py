@@ -322,7 +322,7 @@ class Disaggregated(_BodyChecks):
         """No prefill can serve this request: reject it, or let the decode do it alone."""
         if self.context.service.settings.on_bootstrap_error is BootstrapPolicy.REJECT:
             return self.context.reject(reply)
-        return DecodeOnly(self.context, "decode_only", reply.message).served_alone()
+        return self._alone(reply.message)
 
     def _prefill_done(self, outcome: asyncio.Future[PrefillOutcome]) -> None:
         """Count the request; a failure seen before the decode answered aborts it at once."""
