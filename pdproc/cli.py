@@ -135,6 +135,14 @@ def _add_envoy_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "of two (headers pdproc needs come as request_attributes)",
     )
     parser.add_argument(
+        "--prefill-header",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="single-message mode: also send this request header to pdproc, for the "
+        "prefill leg (repeatable; authorization and trace context are always sent)",
+    )
+    parser.add_argument(
         "--no-response-hold",
         action="store_true",
         help="response_header_mode: SKIP (measurement only: a failed prefill then cannot "
@@ -246,6 +254,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
             failure_mode_allow=not args.fail_closed,
             hold_response=not args.no_response_hold,
             single_message=args.single_message,
+            prefill_headers=tuple(_header_names(args.prefill_header)),
             request_timeout_s=args.request_timeout,
             request_headers_timeout_s=args.request_headers_timeout,
             processor_tls_ca=args.processor_tls_ca,
@@ -263,6 +272,13 @@ def _envoy_config(args: argparse.Namespace) -> int:
         return 2
     sys.stdout.write(render(options))
     return 0
+
+
+def _header_names(names: Sequence[str]) -> list[str]:
+    for name in names:
+        if not name or not all(c.isascii() and (c.isalnum() or c in "-_") for c in name):
+            raise TargetError(f"invalid --prefill-header {name!r}: not a header name")
+    return list(names)
 
 
 if __name__ == "__main__":

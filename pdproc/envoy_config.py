@@ -143,6 +143,9 @@ class EnvoyOptions:
     hold_response: bool = True
     # One ext_proc message on the request path instead of two (request headers SKIP).
     single_message: bool = False
+    # Single-message mode: more request headers the prefill leg should carry (API keys ...),
+    # beyond what REQUEST_ATTRIBUTES lists.
+    prefill_headers: tuple[str, ...] = ()
     # Upload bounds (HCM request_headers_timeout / request_timeout).
     request_headers_timeout_s: float = 10.0
     request_timeout_s: float = 60.0
@@ -293,7 +296,7 @@ def render(options: EnvoyOptions) -> str:
         prefill_header_filter=_PREFILL_HEADER_FILTER if options.single_message else "",
         single_message_options=(
             _SINGLE_MESSAGE_OPTIONS.format(
-                attributes=", ".join(f'"{a}"' for a in REQUEST_ATTRIBUTES)
+                attributes=", ".join(f'"{a}"' for a in request_attributes(options))
             )
             if options.single_message
             else ""
@@ -338,3 +341,14 @@ def _seconds(value: float) -> str:
 
 def parse_targets(values: Sequence[str]) -> list[HostPort]:
     return [parse_host_port(v) for v in values]
+
+
+def request_attributes(options: EnvoyOptions) -> tuple[str, ...]:
+    """What Envoy sends with the body in single-message mode: pdproc's own list, plus each
+    extra header the operator wants on the prefill leg."""
+    extra = (
+        f"request.headers['{name.lower()}']"
+        for name in options.prefill_headers
+        if f"request.headers['{name.lower()}']" not in REQUEST_ATTRIBUTES
+    )
+    return (*REQUEST_ATTRIBUTES, *dict.fromkeys(extra))

@@ -96,7 +96,8 @@ def test_generated_configs_validate(
         "alone": ["--decode", "127.0.0.1:8200", "--no-processor"],
         "closed": ["--decode", "127.0.0.1:8200", "--fail-closed", "--access-log",
                    "--pd-path", "/v1/chat/completions"],
-        "single": ["--decode", "127.0.0.1:8200", "--single-message", "--access-log"],
+        "single": ["--decode", "127.0.0.1:8200", "--single-message", "--access-log",
+                   "--prefill-header", "x-api-key"],
         "timeouts": ["--decode", "127.0.0.1:8200", "--request-timeout", "120",
                      "--request-headers-timeout", "2.5"],
         "tls": ["--decode", "127.0.0.1:8200", *tls],
@@ -344,3 +345,34 @@ def test_envoy_version_defaults_to_the_environment(
     assert "per_connection_buffer_limit_bytes" in config["static_resources"]["listeners"][0]
     monkeypatch.setenv("PDPROC_ENVOY_VERSION", "0.9")
     assert main(["envoy-config", "--decode", "127.0.0.1:8200"]) == 2
+
+
+def test_single_message_mode_sends_the_listed_headers_to_the_prefill() -> None:
+    """`--prefill-header NAME`: in single-message mode Envoy sends that request header with
+    the body (as an attribute), and the prefill leg carries it, like the default ones."""
+    import httpx
+    from pdproc_sim.devstack import running_stack
+
+    options = {"single_message": True, "prefill_headers": ("x-api-key",)}
+    with running_stack(["--itl-ms", "5"], envoy_options=options) as st:
+        response = httpx.post(
+            st.envoy.url + "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+            headers={
+                "x-prefiller-host-port": str(st.sim.prefill),
+                "x-api-key": "k-123",
+                "authorization": "Bearer t",
+                "x-not-listed": "dropped",
+            },
+            timeout=30,
+        )
+        assert response.status_code == 200
+        (prefill,) = st.sim_get("prefill", "/sim/requests")["requests"]
+    assert prefill["headers"]["x-api-key"] == "k-123"
+    assert prefill["headers"]["authorization"] == "Bearer t"
+    assert "x-not-listed" not in prefill["headers"]
+
+
+def test_prefill_header_names_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["envoy-config", "--decode", "127.0.0.1:1", "--prefill-header", "x'] || y"]) == 2
+    assert "not a header name" in capsys.readouterr().err
