@@ -25,6 +25,16 @@ class ConfigError(ValueError):
     pass
 
 
+class _DefaultsShown(argparse.HelpFormatter):
+    """Help that names each option's default, where it has one worth naming."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False, [], argparse.SUPPRESS) or "default" in text:
+            return text
+        return f"{text} (default: {action.default})"
+
+
 def resolve(
     args: argparse.Namespace, env: Mapping[str, str], file_values: Mapping[str, Any]
 ) -> Settings:
@@ -111,13 +121,26 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _add_envoy_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser("envoy-config", help="print an Envoy bootstrap with pdproc in it")
+    parser = sub.add_parser(
+        "envoy-config",
+        help="print an Envoy bootstrap with pdproc in it",
+        formatter_class=_DefaultsShown,
+    )
     parser.add_argument("--listen", default="0.0.0.0:10000", help="Envoy listener HOST:PORT")
-    parser.add_argument("--processor", action="append", help="pdproc HOST:PORT (repeatable)")
-    parser.add_argument("--decode", action="append", required=True, help="decode HOST:PORT")
+    parser.add_argument(
+        "--processor", action="append", help="pdproc HOST:PORT (repeatable; default 127.0.0.1:9002)"
+    )
+    parser.add_argument(
+        "--decode", action="append", required=True, help="decode HOST:PORT (repeatable)"
+    )
     parser.add_argument("--admin", default="127.0.0.1:9901", help="Envoy admin HOST:PORT")
     parser.add_argument("--pd-path", action="append", help="P/D path (repeatable)")
-    parser.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="largest request body Envoy buffers (keep it equal to pdproc's)",
+    )
     parser.add_argument(
         "--max-message-timeout",
         type=float,
