@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from enum import Enum
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -49,7 +50,9 @@ class Stream:
         self.phase = Phase.REQUEST_HEADERS
         self._processor: RequestProcessor | None = None
         self._write_lock = asyncio.Lock()
-        self._later: asyncio.Task[None] | None = None
+        # Writes that run beside the message loop (a deferred answer, an abort): held so
+        # they are not collected before they have written, cancelled if the stream ends.
+        self._background: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
         while True:
@@ -85,8 +88,8 @@ class Stream:
         return msg.immediate(reply)
 
     def close(self) -> None:
-        if self._later is not None and not self._later.done():
-            self._later.cancel()  # the client left; the prefill itself carries on
+        for task in self._background:
+            task.cancel()  # the client left; the prefill itself carries on
         if self._processor is not None:
             self._processor.close()
 
@@ -147,15 +150,18 @@ class Stream:
         """End the request now, unasked (the prefill failed before the decode answered)."""
         if self.phase is Phase.RESPONSE or self.phase is Phase.DONE:
             return
-        task = asyncio.get_running_loop().create_task(self._write(response))
-        # Held only so the task is not collected before it has written.
-        self._later = task
+        self._in_background(self._write(response))
 
     async def _deliver(self, answer: msg.Response | Deferred) -> None:
         if isinstance(answer, Deferred):
-            self._later = asyncio.get_running_loop().create_task(self._write_later(answer))
+            self._in_background(self._write_later(answer))
         else:
             await self._write(answer)
+
+    def _in_background(self, write: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(write)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _write_later(self, deferred: Deferred) -> None:
         """Write a deferred answer; if it keeps Envoy waiting long, ask Envoy to wait."""
