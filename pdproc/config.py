@@ -218,6 +218,13 @@ class Settings:
         _positive,
     )
     max_body_bytes: int = _setting(16 * MiB, "Largest request body accepted.", _count)
+    stream_body_bytes: int = _setting(
+        256 * 1024,
+        "P/D request bodies of at least this many bytes (by content-length) pass on to the "
+        "decode chunk by chunk as Envoy receives them, only their end rewritten, instead of "
+        "crossing to pdproc and back whole (Mooncake and SGLang, two-message mode; 0: never).",
+        _non_negative_int,
+    )
     max_inflight_bytes: int = _setting(
         1 * GiB,
         "Total request-body bytes held across all streams; past it new P/D requests get "

@@ -142,6 +142,42 @@ def body_response(body: bytes, *, content_length: bool) -> Response:
     return response
 
 
+# Stream this request's body (pdproc.streamed_body). Its content-length goes: the decode
+# leg is sent chunked, its rewritten end making it longer. The body is marked checked only
+# at its last chunk, so if pdproc fails mid-body (Envoy fails open and passes the rest on
+# unseen), the kv guard, which holds a body that carries no mark, checks it whole.
+STREAMED_HEADERS = Response(
+    request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(remove_headers=[PREFILL_HEADER, "content-length"])
+        )
+    ),
+    mode_override=ProcessingMode(
+        request_body_mode=ProcessingMode.STREAMED, response_header_mode=ProcessingMode.SEND
+    ),
+)
+
+
+def chunk_response(data: bytes | None) -> Response:
+    """One streamed body chunk: on unchanged (None), or replaced by `data`."""
+    if data is None:
+        return CONTINUE_REQUEST_BODY
+    response = Response()
+    mutation = response.request_body.response.body_mutation
+    if data:
+        mutation.body = data
+    else:
+        mutation.clear_body = True
+    return response
+
+
+def last_chunk_response(data: bytes) -> Response:
+    """The last chunk of a streamed body, replaced by `data`; the body is checked."""
+    response = chunk_response(data)
+    response.dynamic_metadata.CopyFrom(_CHECKED)
+    return response
+
+
 def hold(seconds: float) -> Response:
     """Give pdproc `seconds` (instead of the filter's message_timeout) to answer the message
     Envoy is waiting on. Envoy honours only the first such request per message."""

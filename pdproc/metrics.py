@@ -124,6 +124,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.streamed_bodies = Counter(
+            "pdproc_streamed_request_bodies",
+            "P/D request bodies streamed on to the decode as they arrived "
+            "(--stream-body-bytes) instead of buffered and sent back whole.",
+            registry=r,
+        )
         self.hold_seconds = Histogram(
             "pdproc_response_hold_seconds",
             "Time the decode's response headers were held waiting for the prefill outcome.",

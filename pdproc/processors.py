@@ -15,6 +15,7 @@ Every request ends in exactly one outcome, counted by its `RequestContext`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -27,13 +28,21 @@ from pdproc import envoy_messages as msg
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.breaker import POD_DOWN
 from pdproc.config import BootstrapPolicy
-from pdproc.connectors import ClientRequest, EngineMap, OnFailure
+from pdproc.connectors import ClientRequest, Concurrent, EngineMap, Legs, OnFailure
 from pdproc.connectors.mooncake import BootstrapError
 from pdproc.errors import ErrorKind, ErrorReply
 from pdproc.prefill import PrefillJob, PrefillOutcome
-from pdproc.request_body import BodyError, parse_body
+from pdproc.request_body import BodyError, members, parse_body
+from pdproc.streamed_body import TAIL, StreamedBody, parse_content_length
 from pdproc.targets import HostPort
-from pdproc.telemetry import ATTR_CONNECTOR, ATTR_OUTCOME, ATTR_TARGET, fail, trace_fields
+from pdproc.telemetry import (
+    ATTR_CONNECTOR,
+    ATTR_OUTCOME,
+    ATTR_STREAMED,
+    ATTR_TARGET,
+    fail,
+    trace_fields,
+)
 
 if TYPE_CHECKING:
     from pdproc.service import ExtProcService
@@ -79,13 +88,13 @@ class RequestContext:
         self.span = span
         self.single_message = single_message
         self.request_id = headers.get("x-request-id", "")
-        self._counted = False
+        self.finished = False
 
     def finish(self, outcome: str) -> None:
         """Count the request's outcome, once."""
-        if self._counted:
+        if self.finished:
             return
-        self._counted = True
+        self.finished = True
         self.service.count(self.path, outcome)
         if self.span is not None and self.span.is_recording():
             self.span.set_attribute(ATTR_OUTCOME, outcome)
@@ -112,7 +121,7 @@ class RequestContext:
 class RequestProcessor(Protocol):
     context: RequestContext
 
-    def request_headers(self) -> Answer: ...
+    async def request_headers(self) -> Answer: ...
 
     async def request_body(self, body: pb.HttpBody) -> Answer: ...
 
@@ -128,7 +137,7 @@ class PassThrough:
         self.context = context
         context.finish("passthrough")
 
-    def request_headers(self) -> Answer:
+    async def request_headers(self) -> Answer:
         return msg.PASS_THROUGH_HEADERS
 
     async def request_body(self, body: pb.HttpBody) -> Answer:
@@ -148,7 +157,7 @@ class Rejected(PassThrough):
         self.context = context
         self._reply = reply
 
-    def request_headers(self) -> Answer:
+    async def request_headers(self) -> Answer:
         return self.context.reject(self._reply)
 
     async def request_body(self, body: pb.HttpBody) -> Answer:
@@ -184,7 +193,7 @@ class DecodeOnly(_BodyChecks, PassThrough):
         self._outcome = outcome
         self._reason = reason
 
-    def request_headers(self) -> Answer:
+    async def request_headers(self) -> Answer:
         return msg.CHECK_BODY_ONLY_HEADERS
 
     async def request_body(self, body: pb.HttpBody) -> Answer:
@@ -196,6 +205,11 @@ class DecodeOnly(_BodyChecks, PassThrough):
 
     def served_alone(self) -> msg.Response:
         """The client's own body goes on to the decode, marked as checked."""
+        self.record()
+        return msg.CHECKED_REQUEST_BODY
+
+    def record(self) -> None:
+        """Count (and log, if it is a fallback) that the decode serves this request alone."""
         if self._reason is not None:
             log.warning(
                 "decode-only fallback: %s",
@@ -203,38 +217,129 @@ class DecodeOnly(_BodyChecks, PassThrough):
                 extra=self.context.log_fields(outcome=self._outcome),
             )
         self.context.finish(self._outcome)
-        return msg.CHECKED_REQUEST_BODY
 
 
 class Disaggregated(_BodyChecks):
     """The P/D pair: prefill launched by pdproc, decode carried by Envoy."""
 
     def __init__(
-        self, context: RequestContext, target: HostPort, abort: Abort, *, min_prompt: int = 0
+        self,
+        context: RequestContext,
+        target: HostPort,
+        abort: Abort,
+        *,
+        min_prompt: int = 0,
     ) -> None:
         self.context = context
         self._target = target
         self._abort = abort
         self._min_prompt = min_prompt
         self._job: PrefillJob | None = None
+        self._streamed: StreamedBody | None = None
+        # Body bytes a streamed request holds against --max-inflight-bytes until its end.
+        self._budget = contextlib.ExitStack()
         self._response_seen = False
         self._busy_s = 0.0
         if context.span is not None:
             context.span.set_attribute(ATTR_TARGET, str(target))
             context.span.set_attribute(ATTR_CONNECTOR, context.service.connector.name)
 
-    def request_headers(self) -> Answer:
+    async def request_headers(self) -> Answer:
         started = time.perf_counter()
         service = self.context.service
         if service.connector.uses_engines:
             # Overlap a cache miss with Envoy sending the body.
             service.engines.prefetch(self._target, self.context.span)
+        length = self._streamable_length()
+        answer = msg.CONTINUE_REQUEST_HEADERS if length is None else self._stream(length)
         self._busy_s += time.perf_counter() - started
-        return msg.CONTINUE_REQUEST_HEADERS
+        return answer
+
+    def _streamable_length(self) -> int | None:
+        """The body's length when it is to be streamed (pdproc.streamed_body), else None."""
+        service = self.context.service
+        threshold = service.settings.stream_body_bytes
+        if not threshold or self.context.single_message:
+            return None  # single-message mode has no headers answer to switch modes in
+        if not isinstance(service.connector, Concurrent):
+            return None  # the decode leg is built from the prefill's answer
+        length = parse_content_length(self.context.headers.get("content-length"))
+        if length is None or length < max(threshold, TAIL + 1, self._min_prompt):
+            return None
+        if length > service.settings.max_body_bytes:
+            return None  # buffered, it gets Envoy's 413 or pdproc's
+        return length
+
+    def _stream(self, length: int) -> msg.Response:
+        """Have Envoy stream the body past pdproc; its bytes count against the in-flight
+        budget until its end."""
+        service = self.context.service
+        if not self._budget.enter_context(service.body_budget(length)):
+            return self.context.reject(_OVERLOADED)
+        self._streamed = StreamedBody(length)
+        if self.context.span is not None:
+            self.context.span.set_attribute(ATTR_STREAMED, True)
+        service.metrics.streamed_bodies.inc()
+        return msg.STREAMED_HEADERS
 
     async def request_body(self, body: pb.HttpBody) -> Answer:
+        if self._streamed is not None:
+            return await self._stream_chunk(body, self._streamed)
         with self.context.service.body_budget(len(body.body)) as admitted:
             return await self._disaggregate(body) if admitted else self.context.reject(_OVERLOADED)
+
+    async def _stream_chunk(self, body: pb.HttpBody, streamed: StreamedBody) -> Answer:
+        """A chunk of a streamed body: on at once, except the held-back tail."""
+        try:
+            try:
+                data = streamed.feed(body.body, body.end_of_stream)
+            except BodyError as exc:
+                return self.context.reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
+            if not body.end_of_stream:
+                return msg.chunk_response(data)
+            return await self._stream_end(streamed)
+        finally:
+            if body.end_of_stream or self.context.finished:
+                self._budget.close()
+
+    async def _stream_end(self, streamed: StreamedBody) -> msg.Response:
+        """The whole body is in: check it, plan and launch the prefill, release the tail
+        with the decode's fields. A refusal here cuts the decode off mid-body."""
+        started = time.perf_counter()
+        service = self.context.service
+        connector = service.connector
+        assert isinstance(connector, Concurrent)
+        raw = streamed.whole()
+        try:
+            request = ClientRequest(
+                self.context.path, raw, parse_body(raw), self.context.request_id
+            )
+        except BodyError as exc:
+            return self.context.reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
+        empty = not request.parsed
+        engines: EngineMap | None = None
+        if connector.uses_engines:
+            try:
+                engines = await service.engines.get(self._target, self.context.span)
+            except BootstrapError as exc:
+                service.breakers.record(self._target, POD_DOWN if exc.pod_down else "bootstrap")
+                reply = ErrorReply(ErrorKind.BOOTSTRAP, str(exc))
+                if service.settings.on_bootstrap_error is BootstrapPolicy.REJECT:
+                    return self.context.reject(reply)
+                DecodeOnly(self.context, "decode_only", reply.message).record()
+                return msg.last_chunk_response(streamed.tail(raw, b"", empty_object=empty))
+        plan = connector.plan(
+            self._target, engines, service.launcher.in_flight_by_rank(self._target)
+        )
+        try:
+            legs = connector.build(request, plan, decode=False)
+            tail = streamed.tail(raw, members(plan.decode_fields), empty_object=empty)
+        except BodyError as exc:
+            return self.context.reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
+        self._launch(legs, request)
+        self._busy_s += time.perf_counter() - started
+        service.metrics.processing_seconds.observe(self._busy_s)
+        return msg.last_chunk_response(tail)
 
     async def _disaggregate(self, body: pb.HttpBody) -> Answer:
         started = time.perf_counter()
@@ -257,9 +362,20 @@ class Disaggregated(_BodyChecks):
             legs = service.connector.legs(checked, self._target, engines, busy)
         except BodyError as exc:
             return self.context.reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
+        job = self._launch(legs, checked)
+        self._busy_s += time.perf_counter() - started
+        service.metrics.processing_seconds.observe(self._busy_s)
+        if service.connector.sequential or legs.decode_body is None:
+            # The body's answer waits for the prefill (Envoy is told to wait if it must).
+            return self._deferred(job, self._after_prefill(job, checked))
+        return self._decode(legs.decode_body)
+
+    def _launch(self, legs: Legs, request: ClientRequest) -> PrefillJob:
+        """Launch the prefill leg; a concurrent connector's outcome is watched from here."""
+        service = self.context.service
         excerpt = {}
         if service.settings.log_bodies:
-            excerpt["body"] = checked.raw[:BODY_LOG_BYTES].decode("utf-8", "replace")
+            excerpt["body"] = request.raw[:BODY_LOG_BYTES].decode("utf-8", "replace")
         sequential = service.connector.sequential
         job = self._job = service.launcher.launch(
             target=self._target,
@@ -273,13 +389,9 @@ class Disaggregated(_BodyChecks):
         if self.context.span is not None:
             for key, value in legs.facts.items():
                 self.context.span.set_attribute(f"pdproc.{key}", value)
-        self._busy_s += time.perf_counter() - started
-        service.metrics.processing_seconds.observe(self._busy_s)
-        if sequential or legs.decode_body is None:
-            # The body's answer waits for the prefill (Envoy is told to wait if it must).
-            return self._deferred(job, self._after_prefill(job, checked))
-        job.outcome.add_done_callback(self._prefill_done)
-        return self._decode(legs.decode_body)
+        if not sequential:
+            job.outcome.add_done_callback(self._prefill_done)
+        return job
 
     def _decode(self, body: bytes) -> msg.Response:
         return msg.body_response(body, content_length=not self.context.single_message)
@@ -373,6 +485,7 @@ class Disaggregated(_BodyChecks):
             # Nobody will use this prefill's KV: free the prefill pod's work and blocks.
             job.task.cancel()
             self.context.finish("cancelled")
+        self._budget.close()
         self.context.close()
 
 

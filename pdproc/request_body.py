@@ -101,9 +101,14 @@ def with_fields(raw: bytes, parsed: Mapping[str, Any], fields: Mapping[str, Any]
     # parse_body proved the last non-blank byte is "}": cut there, copy the prompt once.
     cut = _last_non_blank(raw, len(raw)) - 1
     cut = _last_non_blank(raw, cut)
-    added = orjson.dumps(fields)[1:-1]  # the fields without their braces
+    added = members(fields)
     tail = (b"," if parsed and added else b"") + added + b"}"
     return b"".join((memoryview(raw)[:cut], tail))
+
+
+def members(fields: Mapping[str, Any]) -> bytes:
+    """Top-level fields as JSON object members: `"a":1,"b":2`, without braces."""
+    return orjson.dumps(fields)[1:-1]
 
 
 _JSON_BLANKS = b" \t\r\n"

@@ -111,7 +111,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 # Pool mode may leave a short prompt to the decode; an endpoint picker's
                 # choice is kept.
                 min_prompt = self.settings.pd_min_prompt if from_pool else 0
-                return Disaggregated(context, target, abort, min_prompt=min_prompt)
+                return Disaggregated(
+                    context,
+                    target,
+                    abort,
+                    min_prompt=min_prompt,
+                )
             case NoTarget():
                 return DecodeOnly(context, "passthrough")
             case Unavailable(reason):

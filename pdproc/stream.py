@@ -104,7 +104,7 @@ class Stream:
             end = message.request_headers.end_of_stream
             processor = self._open(headers, end, single_message=False)
             self.phase = Phase.RESPONSE_HEADERS if end else Phase.REQUEST_BODY
-            return processor.request_headers()
+            return await processor.request_headers()
         if kind == "request_body":
             if processor is None and self.phase is Phase.REQUEST_HEADERS:
                 # Single-message mode (request headers SKIP): the headers came as attributes.

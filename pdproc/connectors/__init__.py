@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
+from pdproc.request_body import with_fields
 from pdproc.targets import HostPort
 
 EngineMap = dict[int, str]
@@ -42,6 +43,18 @@ class Legs:
     prefill_headers: Mapping[str, str]
     rank: int | None = None
     # Facts for the log line and the span: transfer id, engine id, bootstrap room ...
+    facts: Mapping[str, str | int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a concurrent connector decides before it sees the body: the fields the decode leg
+    gets and all else about the legs that does not depend on the prompt. Fixed this early,
+    a large body can flow on to the decode while it arrives (pdproc.streamed_body)."""
+
+    decode_fields: Mapping[str, Any]
+    prefill_headers: Mapping[str, str]
+    rank: int | None = None
     facts: Mapping[str, str | int] = field(default_factory=dict)
 
 
@@ -83,9 +96,46 @@ class Connector(Protocol):
 class Concurrent:
     """Base of the connectors whose prefill runs beside the decode (Mooncake, SGLang): both
     legs are built up front, and a failed prefill ends the request, because the decode is
-    already waiting for KV that will never come."""
+    already waiting for KV that will never come. The legs come from a `Plan` made before the
+    body is read."""
 
     sequential = False
+
+    def plan(
+        self, target: HostPort, engines: EngineMap | None, busy_ranks: Mapping[int, int]
+    ) -> Plan:
+        raise NotImplementedError
+
+    def check(self, request: ClientRequest) -> None:
+        """BodyError when the client's body cannot be carried (fields only the gateway sets)."""
+
+    def prefill_body(self, request: ClientRequest, plan: Plan, decode_body: bytes | None) -> bytes:
+        """The prefill leg (`decode_body`, when built, may be reused)."""
+        raise NotImplementedError
+
+    def legs(
+        self,
+        request: ClientRequest,
+        target: HostPort,
+        engines: EngineMap | None,
+        busy_ranks: Mapping[int, int],
+    ) -> Legs:
+        return self.build(request, self.plan(target, engines, busy_ranks))
+
+    def build(self, request: ClientRequest, plan: Plan, *, decode: bool = True) -> Legs:
+        """The legs of one request. Without `decode` the decode leg is left out: the body is
+        streamed to the decode with `plan.decode_fields` spliced into its tail."""
+        self.check(request)
+        decode_body = (
+            with_fields(request.raw, request.parsed, plan.decode_fields) if decode else None
+        )
+        return Legs(
+            prefill_body=self.prefill_body(request, plan, decode_body),
+            decode_body=decode_body,
+            prefill_headers=plan.prefill_headers,
+            rank=plan.rank,
+            facts=plan.facts,
+        )
 
     def decode_body(self, request: ClientRequest, prefill_answer: bytes) -> bytes:
         raise NotImplementedError(f"{type(self).__name__} builds the decode leg up front")

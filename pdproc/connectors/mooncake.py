@@ -15,9 +15,9 @@ from typing import Any
 
 import orjson
 
-from pdproc.connectors import ClientRequest, Concurrent, EngineMap, Legs
+from pdproc.connectors import ClientRequest, Concurrent, EngineMap, Plan
 from pdproc.errors import shown
-from pdproc.request_body import KV_PARAMS, dumps, prime_single_token, with_field
+from pdproc.request_body import KV_PARAMS, dumps, prime_single_token
 from pdproc.targets import HostPort
 
 RANK_HEADER = "x-data-parallel-rank"
@@ -126,21 +126,21 @@ class Mooncake(Concurrent):
         """The address the decode pod is told to pull KV from (IPv6 in brackets)."""
         return target.url(self.bootstrap_port)
 
-    def legs(
-        self,
-        request: ClientRequest,
-        target: HostPort,
-        engines: EngineMap | None,
-        busy_ranks: Mapping[int, int],
-    ) -> Legs:
+    def plan(
+        self, target: HostPort, engines: EngineMap | None, busy_ranks: Mapping[int, int]
+    ) -> Plan:
         assert engines is not None, "Mooncake needs the prefill pod's engine map"
         rank, engine_id = pick_rank(engines, busy_ranks)
         transfer_id = new_transfer_id()
-        params = decode_params(transfer_id, self.bootstrap_addr(target), engine_id)
-        return Legs(
-            decode_body=with_field(request.raw, request.parsed, KV_PARAMS, params),
-            prefill_body=prefill_body(request.path, request.parsed, prefill_params(transfer_id)),
+        return Plan(
+            decode_fields={
+                KV_PARAMS: decode_params(transfer_id, self.bootstrap_addr(target), engine_id)
+            },
             prefill_headers={RANK_HEADER: str(rank)},
             rank=rank,
             facts={"transfer_id": transfer_id, "dp_rank": rank, "engine_id": engine_id},
         )
+
+    def prefill_body(self, request: ClientRequest, plan: Plan, decode_body: bytes | None) -> bytes:
+        transfer_id = str(plan.facts["transfer_id"])
+        return prefill_body(request.path, request.parsed, prefill_params(transfer_id))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping
 
-from pdproc.connectors import ClientRequest, Concurrent, EngineMap, Legs
+from pdproc.connectors import ClientRequest, Concurrent, EngineMap, Plan
 from pdproc.request_body import BodyError, with_fields
 from pdproc.targets import HostPort
 
@@ -29,27 +29,27 @@ class SGLang(Concurrent):
     def __init__(self, bootstrap_port: int) -> None:
         self.bootstrap_port = bootstrap_port
 
-    def legs(
-        self,
-        request: ClientRequest,
-        target: HostPort,
-        engines: EngineMap | None,
-        busy_ranks: Mapping[int, int],
-    ) -> Legs:
-        clash = [name for name in BOOTSTRAP_FIELDS if name in request.parsed]
-        if clash:
-            # The rendezvous is the gateway's to choose, as kv_transfer_params are.
-            raise BodyError(f"{clash[0]} is set by the gateway, not by clients")
+    def plan(
+        self, target: HostPort, engines: EngineMap | None, busy_ranks: Mapping[int, int]
+    ) -> Plan:
         room = new_room()
-        fields = {
-            "bootstrap_host": target.host,
-            "bootstrap_port": self.bootstrap_port,
-            "bootstrap_room": room,
-        }
-        body = with_fields(request.raw, request.parsed, fields)
-        return Legs(
-            prefill_body=body,
-            decode_body=body,
+        return Plan(
+            decode_fields={
+                "bootstrap_host": target.host,
+                "bootstrap_port": self.bootstrap_port,
+                "bootstrap_room": room,
+            },
             prefill_headers={},
             facts={"bootstrap_room": room},
         )
+
+    def check(self, request: ClientRequest) -> None:
+        clash = [name for name in BOOTSTRAP_FIELDS if name in request.parsed]
+        if clash:
+            raise BodyError(f"{clash[0]} is set by the gateway, not by clients")
+
+    def prefill_body(self, request: ClientRequest, plan: Plan, decode_body: bytes | None) -> bytes:
+        # The prefill meets the decode in the same room: it gets the same body.
+        if decode_body is not None:
+            return decode_body
+        return with_fields(request.raw, request.parsed, plan.decode_fields)

@@ -1,0 +1,83 @@
+"""A large request body that flows on to the decode while it arrives.
+
+Buffered, a body crosses gRPC twice: Envoy sends all of it to pdproc and pdproc sends all
+of it back, rewritten. For a long prompt that round trip dominates Envoy's cost. Yet the
+decode leg differs from the client's body only at its very end: the gateway's fields go in
+before the closing brace. So a large body is streamed (Envoy's STREAMED body mode, asked
+for in the answer to the request headers): every chunk goes on unchanged, except the last
+`TAIL` bytes, which pdproc holds back and releases with the fields spliced in once the whole
+body has arrived and passed every check. The decode leg is sent chunked.
+
+The headers are answered at once (the fields are chosen at the end, a connector's `Plan`)
+so that Envoy passes chunks on as they arrive rather than gathering the body meanwhile.
+
+Pure: no I/O, so it is tested without servers.
+"""
+
+from __future__ import annotations
+
+from pdproc.request_body import BodyError
+
+# Bytes held back at the end of the body. The closing brace must fall among them: JSON
+# allows whitespace after it, and a client that sends more than 15 bytes of it gets a 400.
+# Small on purpose: a chunk that reaches into the tail is sent back whole (minus the tail),
+# and Envoy's last chunk is often only the few bytes left over from a large read.
+TAIL = 16
+
+
+def parse_content_length(value: str | None) -> int | None:
+    """A content-length header's value, or None when there is none or it is not plain
+    ASCII digits (Envoy itself refuses a bad one; this is only for choosing the mode)."""
+    if not value or len(value) > 18 or not (value.isascii() and value.isdigit()):
+        return None
+    return int(value)
+
+
+class StreamedBody:
+    """One streamed body: what to answer for each chunk, and the held-back tail."""
+
+    def __init__(self, length: int) -> None:
+        if length <= TAIL:
+            raise ValueError(f"a streamed body must be longer than {TAIL} bytes")
+        self.length = length  # the client's content-length
+        self._hold_from = length - TAIL
+        self._parts: list[bytes] = []
+        self._received = 0
+        self._released = 0  # bytes already passed on to the decode
+
+    def feed(self, chunk: bytes, end_of_stream: bool) -> bytes | None:
+        """Take one chunk; None when it goes on unchanged, else the bytes that replace it.
+        BodyError when the body does not match its content-length."""
+        start = self._received
+        self._received += len(chunk)
+        if self._received > self.length:
+            raise BodyError("request body is longer than its content-length")
+        self._parts.append(chunk)
+        if end_of_stream:
+            if self._received != self.length:
+                raise BodyError("request body is shorter than its content-length")
+            return None  # answered by `tail` once the body is checked
+        if self._received <= self._hold_from:
+            self._released = self._received
+            return None
+        # The chunk reaches into the tail: only what comes before the tail goes on.
+        self._released = self._hold_from
+        return chunk[: max(self._hold_from - start, 0)]
+
+    def whole(self) -> bytes:
+        """The client's body as it arrived (after the last chunk)."""
+        return b"".join(self._parts)
+
+    def tail(self, whole: bytes, insertion: bytes, *, empty_object: bool) -> bytes:
+        """The held-back bytes, with `insertion` (JSON object members, no separator; may be
+        empty) spliced in before the closing brace.
+
+        `whole` must be a JSON object (parse_body proved it); `empty_object` says it has no
+        members (no comma before the insertion then)."""
+        if not insertion:
+            return whole[self._released :]
+        brace = len(whole.rstrip(b" \t\r\n")) - 1
+        if brace < self._released:
+            raise BodyError(f"more than {TAIL} bytes follow the request body's closing brace")
+        separator = b"" if empty_object else b","
+        return b"".join((whole[self._released : brace], separator, insertion, whole[brace:]))
