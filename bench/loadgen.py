@@ -27,7 +27,7 @@ import resource
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,18 +84,38 @@ class Tally:
         self.errors[reason[:200]] += 1
 
 
+UPLOAD_PIECE = 64 * 1024
+
+
+async def _paced(body: bytes, bytes_per_s: float) -> AsyncIterator[bytes]:
+    """The body in 64 KiB pieces at `bytes_per_s`, as a client on a real link sends it."""
+    start = time.perf_counter()
+    for offset in range(0, len(body), UPLOAD_PIECE):
+        yield body[offset : offset + UPLOAD_PIECE]
+        delay = start + (offset + UPLOAD_PIECE) / bytes_per_s - time.perf_counter()
+        if delay > 0 and offset + UPLOAD_PIECE < len(body):
+            await asyncio.sleep(delay)
+
+
 async def _stream_one(
     session: aiohttp.ClientSession,
     url: str,
     body: bytes,
     headers: dict[str, str],
     limits: aiohttp.ClientTimeout,
+    upload_bytes_per_s: float = 0.0,
 ) -> tuple[float, float] | str:
-    """One streaming request: (ttft_ms, e2e_ms), or why it failed."""
+    """One streaming request: (ttft_ms, e2e_ms), or why it failed. TTFT counts from the
+    first byte sent, so a paced upload's own time is part of it (for every configuration)."""
     start = time.perf_counter()
     ttft: float | None = None
     tail = b""
-    async with session.post(url, data=body, headers=headers, timeout=limits) as response:
+    data: bytes | AsyncIterator[bytes] = body
+    if upload_bytes_per_s > 0 and len(body) > UPLOAD_PIECE:
+        # An explicit content-length keeps aiohttp from sending it chunked.
+        headers = {**headers, "content-length": str(len(body))}
+        data = _paced(body, upload_bytes_per_s)
+    async with session.post(url, data=data, headers=headers, timeout=limits) as response:
         if response.status != 200:
             text = (await response.read())[:120].decode("utf-8", "replace")
             return f"http_{response.status}: {text}"
@@ -129,10 +149,11 @@ async def _one(
     headers: dict[str, str],
     limits: aiohttp.ClientTimeout,
     pd: PdPlan | None,
+    upload_bytes_per_s: float = 0.0,
 ) -> tuple[float, float] | str:
     try:
         if pd is None:
-            return await _stream_one(session, url, body, headers, limits)
+            return await _stream_one(session, url, body, headers, limits, upload_bytes_per_s)
         transfer = mooncake.new_transfer_id().encode()
         prefill = asyncio.create_task(
             _prefill_one(
@@ -144,7 +165,9 @@ async def _one(
         )
         decode_body = pd.decode_template.replace(_TRANSFER_PLACEHOLDER, transfer)
         try:
-            result = await _stream_one(session, url, decode_body, headers, limits)
+            result = await _stream_one(
+                session, url, decode_body, headers, limits, upload_bytes_per_s
+            )
         finally:
             prefill_error = await prefill
         return prefill_error or result
@@ -166,6 +189,7 @@ class Plan:
     request_timeout_s: float
     pd: PdPlan | None
     sync: bool = False
+    upload_bytes_per_s: float = 0.0
 
 
 async def _phase(
@@ -180,7 +204,15 @@ async def _phase(
         while remaining > 0 and time.monotonic() < deadline:
             remaining -= 1
             tally.sent += 1
-            result = await _one(session, plan.url, plan.body, plan.headers, timeout, plan.pd)
+            result = await _one(
+                session,
+                plan.url,
+                plan.body,
+                plan.headers,
+                timeout,
+                plan.pd,
+                plan.upload_bytes_per_s,
+            )
             if isinstance(result, str):
                 tally.fail(result)
             else:
@@ -292,6 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per phase")
     parser.add_argument("--request-timeout", type=float, default=30.0)
     parser.add_argument("--header", type=_header, action="append", default=[])
+    parser.add_argument(
+        "--upload-mbps",
+        type=float,
+        default=0.0,
+        help="send bodies over 64 KiB in 64 KiB pieces at this many MB/s, as a client on a "
+        "real link would (0: as fast as loopback goes)",
+    )
     parser.add_argument("--pd-prefill", help="client-side P/D: prefill base URL")
     parser.add_argument("--pd-bootstrap", help="client-side P/D: bootstrap base URL")
     parser.add_argument(
@@ -322,6 +361,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         request_timeout_s=args.request_timeout,
         pd=pd,
         sync=args.sync,
+        upload_bytes_per_s=args.upload_mbps * 1e6,
     )
     return await run(plan)
 

@@ -322,6 +322,8 @@ def _intro(results: dict[str, Any]) -> list[str]:
         extra.append(f"pdproc serve {' '.join(meta['pdproc_args'])}")
     if meta.get("envoy_options"):
         extra.append(f"pdproc's Envoy options {meta['envoy_options']}")
+    if meta.get("upload_mbps"):
+        extra.append(f"bodies over 64 KiB uploaded at {meta['upload_mbps']:g} MB/s")
     return [
         f"`{meta.get('command', 'python -m bench.run')}`, {meta['started'][:16]}: "
         f"simulated P/D pair on loopback, prefill {sim['prefill_delay_ms']:g} ms"

@@ -99,6 +99,7 @@ class Options:
     profile_concurrency: int
     smoke: bool
     command: str
+    upload_mbps: float = 0.0
 
     def requests_for(self, concurrency: int) -> int:
         # Every worker sends several, so p99 is not one request's luck; few enough that five
@@ -204,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--rounds", type=_positive_int, default=5)
     parser.add_argument(
+        "--upload-mbps",
+        type=float,
+        default=0.0,
+        help="clients send bodies over 64 KiB in 64 KiB pieces at this many MB/s, as over a "
+        "real link (0, the default: as fast as loopback goes)",
+    )
+    parser.add_argument(
         "--time-limit",
         type=float,
         default=20.0,
@@ -291,6 +299,7 @@ def options_from(args: argparse.Namespace, argv: Sequence[str]) -> Options:
         "workers": args.workers,
         "pdproc_args": tuple(args.pdproc_arg),
         "envoy_options": dict(args.envoy_option),
+        "upload_mbps": args.upload_mbps,
         "command": shlex.join(["python", "-m", "bench.run", *argv]),
     }
     if args.smoke:
@@ -424,6 +433,7 @@ def measure(
         *("--warmup", str(warmup), "--time-limit", str(opts.time_limit_s)),
         *("--request-timeout", str(request_timeout_s)),
         *("--max-tokens", str(opts.sim.tokens), "--sync"),
+        *("--upload-mbps", str(opts.upload_mbps)),
         *target.loadgen_args,
     ]
     # Two phases (warm-up and measured), each bounded by the time limit, plus slack.
@@ -588,6 +598,7 @@ def meta(opts: Options) -> dict[str, Any]:
         "workers": opts.workers,
         "pdproc_args": list(opts.pdproc_args),
         "envoy_options": opts.envoy_options,
+        "upload_mbps": opts.upload_mbps,
         "cpus": os.cpu_count(),
         "cpu_model": cpu_model,
         "loadavg_start": loadavg(),

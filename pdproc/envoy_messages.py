@@ -152,8 +152,11 @@ STREAMED_HEADERS = Response(
             header_mutation=pb.HeaderMutation(remove_headers=[PREFILL_HEADER, "content-length"])
         )
     ),
+    # Trailers too: a body followed by trailers (HTTP/2) has no chunk marked as its last.
     mode_override=ProcessingMode(
-        request_body_mode=ProcessingMode.STREAMED, response_header_mode=ProcessingMode.SEND
+        request_body_mode=ProcessingMode.STREAMED,
+        request_trailer_mode=ProcessingMode.SEND,
+        response_header_mode=ProcessingMode.SEND,
     ),
 )
 

@@ -53,6 +53,8 @@ BODY_LOG_BYTES = 4096
 _OVERLOADED = ErrorReply(
     ErrorKind.OVERLOADED, "too many request bytes in flight at this gateway; retry later"
 )
+_TRAILERS = ErrorReply(ErrorKind.BAD_REQUEST, "request trailers are not supported on P/D paths")
+_UNFINISHED = ErrorReply(ErrorKind.BAD_REQUEST, "the request body did not end")
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +127,8 @@ class RequestProcessor(Protocol):
 
     async def request_body(self, body: pb.HttpBody) -> Answer: ...
 
+    def request_trailers(self) -> Answer: ...
+
     def response_headers(self, headers: pb.HttpHeaders) -> Answer: ...
 
     def close(self) -> None: ...
@@ -142,6 +146,9 @@ class PassThrough:
 
     async def request_body(self, body: pb.HttpBody) -> Answer:
         return msg.CONTINUE_REQUEST_BODY
+
+    def request_trailers(self) -> Answer:
+        return msg.CONTINUE_REQUEST_TRAILERS
 
     def response_headers(self, headers: pb.HttpHeaders) -> Answer:
         return msg.CONTINUE_RESPONSE_HEADERS
@@ -302,6 +309,13 @@ class Disaggregated(_BodyChecks):
             if body.end_of_stream or self.context.finished:
                 self._budget.close()
 
+    def request_trailers(self) -> Answer:
+        if self._streamed is not None and not self.context.finished:
+            # Only a chunk marked as the body's last can carry its rewritten end.
+            self._budget.close()
+            return self.context.reject(_TRAILERS)
+        return msg.CONTINUE_REQUEST_TRAILERS
+
     async def _stream_end(self, streamed: StreamedBody) -> msg.Response:
         """The whole body is in: check it, plan and launch the prefill, release the tail
         with the decode's fields. A refusal here cuts the decode off mid-body."""
@@ -446,6 +460,10 @@ class Disaggregated(_BodyChecks):
     def response_headers(self, headers: pb.HttpHeaders) -> Answer:
         self._response_seen = True
         job = self._job
+        if job is None and self._streamed is not None and not self.context.finished:
+            # The decode answered a streamed body that never ended here (it got all of it
+            # but the held tail): not a request pdproc let through.
+            return self.context.reject(_UNFINISHED)
         if job is None:
             return msg.CONTINUE_RESPONSE_HEADERS
         status = msg.status_of(headers)

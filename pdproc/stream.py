@@ -123,6 +123,11 @@ class Stream:
             if processor is None:
                 return msg.CONTINUE_RESPONSE_HEADERS
             return processor.response_headers(message.response_headers)
+        if kind == "request_trailers":
+            if processor is None or self.phase is not Phase.REQUEST_BODY:
+                return msg.CONTINUE_REQUEST_TRAILERS
+            self.phase = Phase.RESPONSE_HEADERS
+            return processor.request_trailers()
         if kind in msg.CONTINUE:
             return msg.CONTINUE[kind]
         log.warning("unexpected ext_proc message %r ignored", kind)

@@ -74,10 +74,12 @@ class StreamedBody:
 
         `whole` must be a JSON object (parse_body proved it); `empty_object` says it has no
         members (no comma before the insertion then)."""
+        brace = len(whole.rstrip(b" \t\r\n")) - 1
+        if len(whole) - 1 - brace >= TAIL:  # then the brace may have gone on already
+            raise BodyError(
+                f"more than {TAIL - 1} bytes of white space follow the request body's closing brace"
+            )
         if not insertion:
             return whole[self._released :]
-        brace = len(whole.rstrip(b" \t\r\n")) - 1
-        if brace < self._released:
-            raise BodyError(f"more than {TAIL} bytes follow the request body's closing brace")
         separator = b"" if empty_object else b","
         return b"".join((whole[self._released : brace], separator, insertion, whole[brace:]))

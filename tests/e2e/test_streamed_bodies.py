@@ -169,6 +169,7 @@ def test_pdproc_dying_mid_body_leaves_the_rest_to_the_kv_guard(client_params: bo
         status, headers, answer = upload.finish(body[len(body) // 2 :])
         if client_params:
             assert status == 400, answer[:300]
+            assert headers["x-pdproc-error"] == "bad_request"
             assert orjson.loads(answer)["message"] == KV_REFUSED
             assert fresh_decode_served(st) == 0
         else:
