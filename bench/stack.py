@@ -225,8 +225,7 @@ def start_pdproc(
     if connector == "sglang" and devstack.pdproc_has_flag("--sglang-bootstrap-port"):
         args += ["--sglang-bootstrap-port", str(sim.bootstrap.port)]
     args += ["--log-level", opts.pdproc_log_level]
-    if opts.workers > 1:
-        args += ["--workers", str(opts.workers)]
+    args += ["--workers", str(opts.workers)]
     proc, listen, metrics = devstack.start_pdproc(workdir, [*args, *opts.pdproc_args], name=name)
     return Part(proc, str(listen), metrics)
 

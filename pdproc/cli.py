@@ -247,9 +247,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"pdproc serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, settings.log_format)
-    if settings.workers > 1:
-        from pdproc.workers import run_workers
+    from pdproc.workers import run_workers, worker_count
 
+    if worker_count(settings) > 1:
         return run_workers(settings)
     return run(settings, tracer_provider)
 

@@ -1,4 +1,4 @@
-"""`pdproc serve --workers N`: N processes on one port, for more than one core.
+"""`pdproc serve --workers N`: N processes on one port, one per core by default.
 
 Python runs one request at a time per process; the kernel spreads Envoy's HTTP/2 connections
 over the processes bound to the port (SO_REUSEPORT, set by `server.py`), and each process is
@@ -18,7 +18,9 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 from pdproc.config import Settings
@@ -26,6 +28,52 @@ from pdproc.config import Settings
 log = logging.getLogger(__name__)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def worker_count(settings: Settings) -> int:
+    """How many processes `settings` asks for; 0 means one per usable CPU."""
+    if settings.workers:
+        return settings.workers
+    if settings.listen.port == 0:
+        return 1  # processes cannot share a port each of them picks
+    return usable_cpus()
+
+
+def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The CPUs this process may use: its cgroup's CPU limit (a container's `limits.cpu`,
+    rounded up) if it has one, else the CPUs it may be scheduled on."""
+    cpus = len(os.sched_getaffinity(0))
+    quota = _cgroup_cpu_limit(cgroup_root)
+    return max(1, min(cpus, quota) if quota is not None else cpus)
+
+
+def _cgroup_cpu_limit(root: str) -> int | None:
+    base = Path(root)
+    try:
+        return cpus_from_cpu_max((base / "cpu.max").read_text("ascii"))  # cgroup v2
+    except OSError:
+        pass
+    try:  # cgroup v1
+        quota = (base / "cpu" / "cpu.cfs_quota_us").read_text("ascii").strip()
+        period = (base / "cpu" / "cpu.cfs_period_us").read_text("ascii").strip()
+    except OSError:
+        return None
+    return cpus_from_cpu_max(f"{quota} {period}")
+
+
+def cpus_from_cpu_max(text: str) -> int | None:
+    """`cpu.max` ("QUOTA PERIOD", "max PERIOD"; v1's quota -1 means none) -> CPUs, rounded
+    up; None without a limit or when unreadable."""
+    parts = text.split()
+    if len(parts) != 2 or parts[0] in ("max", "-1"):
+        return None
+    try:
+        quota, period = int(parts[0]), int(parts[1])
+    except ValueError:
+        return None
+    if quota <= 0 or period <= 0:
+        return None
+    return -(-quota // period)
 
 
 def run_workers(settings: Settings) -> int:
@@ -49,7 +97,7 @@ def run_workers(settings: Settings) -> int:
             if process.pid is not None and process.is_alive():
                 os.kill(process.pid, signal.SIGTERM)
 
-    workers = [start(i) for i in range(settings.workers)]
+    workers = [start(i) for i in range(worker_count(settings))]
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     log.info("pdproc workers started", extra={"workers": [p.pid for p in workers]})
@@ -80,6 +128,7 @@ def _mark_dead(process: BaseProcess) -> None:
 
 
 def _worker(settings: Settings) -> None:
+    settings = replace(settings, workers=1)
     from pdproc.logs import setup_logging
     from pdproc.server import run
     from pdproc.telemetry import provider_from_env

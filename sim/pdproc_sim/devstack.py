@@ -217,7 +217,9 @@ def start_pdproc(
     listen = listen or HostPort(host, free_port(host))
     metrics = metrics or HostPort(host, free_port(host))
     argv = [*console_script("pdproc", "pdproc.cli"), "serve", "--listen", str(listen)]
-    argv += ["--metrics-listen", str(metrics), *args]
+    # One process unless `args` asks for more (later flags win): the stack's numbers and
+    # metrics are one process's.
+    argv += ["--metrics-listen", str(metrics), "--workers", "1", *args]
     proc = spawn(name, argv, workdir, env=env)
     metrics_url = metrics.url()
     wait_for(lambda: http_get(metrics_url + "/readyz")[0] == 200, name, proc=proc)

@@ -1,0 +1,63 @@
+"""How many processes `pdproc serve` runs (`--workers`, 0 = one per usable CPU)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pdproc.config import Settings
+from pdproc.targets import HostPort
+from pdproc.workers import cpus_from_cpu_max, usable_cpus, worker_count
+
+
+@pytest.mark.parametrize(
+    ("text", "cpus"),
+    [
+        ("max 100000\n", None),
+        ("200000 100000\n", 2),
+        ("150000 100000", 2),  # 1.5 CPUs: a second process still has work
+        ("50000 100000", 1),
+        ("-1 100000", None),  # cgroup v1: no quota
+        ("0 100000", None),
+        ("garbage", None),
+        ("1 2 3", None),
+        ("x 100000", None),
+    ],
+)
+def test_cpu_max(text: str, cpus: int | None) -> None:
+    assert cpus_from_cpu_max(text) == cpus
+
+
+def test_usable_cpus_follows_a_cgroup_v2_limit(tmp_path: Path) -> None:
+    affinity = len(os.sched_getaffinity(0))
+    (tmp_path / "cpu.max").write_text("100000 100000\n")
+    assert usable_cpus(str(tmp_path)) == 1
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(str(tmp_path)) == affinity
+    (tmp_path / "cpu.max").write_text(f"{(affinity + 4) * 100000} 100000\n")
+    assert usable_cpus(str(tmp_path)) == affinity  # never more than it may run on
+
+
+def test_usable_cpus_follows_a_cgroup_v1_limit(tmp_path: Path) -> None:
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert usable_cpus(str(tmp_path)) == 1
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert usable_cpus(str(tmp_path)) == len(os.sched_getaffinity(0))
+
+
+def test_without_a_cgroup_it_is_the_affinity(tmp_path: Path) -> None:
+    assert usable_cpus(str(tmp_path / "none")) == len(os.sched_getaffinity(0))
+
+
+def test_worker_count() -> None:
+    fixed = replace(Settings(), listen=HostPort("127.0.0.1", 9002))
+    assert worker_count(replace(fixed, workers=3)) == 3
+    assert worker_count(replace(fixed, workers=0)) == usable_cpus()
+    # Port 0: each process would pick its own port; one process.
+    assert worker_count(replace(fixed, workers=0, listen=HostPort("127.0.0.1", 0))) == 1
+    assert Settings().workers == 0
