@@ -83,7 +83,7 @@ test: lint protos-check test-venv
 
 OLDEST_ENVOY ?= 1.36.4
 OLDEST_ENVOY_TESTS ?= tests/e2e/test_pd_through_envoy.py tests/e2e/test_edge_security.py \
-	tests/e2e/test_mtls.py tests/e2e/test_envoy_config.py
+	tests/e2e/test_mtls.py tests/e2e/test_envoy_config.py tests/e2e/test_streamed_bodies.py
 INSTALLED_ENV = PYTHON=$(TPY) PDPROC_TEST_INSTALLED=1 PDPROC_DIST="$(abspath $(DIST))"
 
 test-oldest-envoy:
