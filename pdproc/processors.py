@@ -54,7 +54,8 @@ _OVERLOADED = ErrorReply(
     ErrorKind.OVERLOADED, "too many request bytes in flight at this gateway; retry later"
 )
 _TRAILERS = ErrorReply(ErrorKind.BAD_REQUEST, "request trailers are not supported on P/D paths")
-_UNFINISHED = ErrorReply(ErrorKind.BAD_REQUEST, "the request body did not end")
+# Outcome of a streamed request answered before pdproc saw its body end.
+UNFINISHED = "unfinished_body"
 
 
 @dataclass(frozen=True, slots=True)
@@ -461,9 +462,13 @@ class Disaggregated(_BodyChecks):
         self._response_seen = True
         job = self._job
         if job is None and self._streamed is not None and not self.context.finished:
-            # The decode answered a streamed body that never ended here (it got all of it
-            # but the held tail): not a request pdproc let through.
-            return self.context.reject(_UNFINISHED)
+            # An answer to a streamed body whose end pdproc never released: Envoy's own (the
+            # kv guard's buffer overflowed: 413) or the decode's, to a body it never got
+            # whole. It goes to the client as it is; the request is counted here.
+            status = msg.status_of(headers)
+            self._budget.close()
+            self.context.finish(ErrorKind.TOO_LARGE.value if status == "413" else UNFINISHED)
+            return msg.CONTINUE_RESPONSE_HEADERS
         if job is None:
             return msg.CONTINUE_RESPONSE_HEADERS
         status = msg.status_of(headers)

@@ -367,8 +367,12 @@ def mutation_runs(
     if script_run.returncode != 0 or not (venv() / "bin" / "python").is_file():
         pytest.fail("validate-deploy.sh did not pass:\n" + script_run.stdout + script_run.stderr)
 
+    # Folders made here, not in the threads: pytest's temp factory is not thread-safe (two
+    # threads setting up its base folder at once made one of them fail).
+    roots = {m.id: tmp_path_factory.mktemp(m.id) for m in MUTATIONS}
+
     def run(m: Mutation) -> subprocess.CompletedProcess[str]:
-        root = tmp_path_factory.mktemp(m.id)
+        root = roots[m.id]
         copy_repo(root)
         target = root / m.path
         text = target.read_text("utf-8")

@@ -667,21 +667,25 @@ async def test_request_trailers_after_a_streamed_body_are_refused(h: Harness) ->
     assert h.sample("pdproc_requests_total", outcome="bad_request") == 1
 
 
-async def test_a_streamed_body_without_end_of_stream_still_ends_in_one_outcome(
-    h: Harness,
+@pytest.mark.parametrize(("status", "outcome"), [("400", "unfinished_body"), ("413", "too_large")])
+async def test_an_answer_before_a_streamed_body_ended_goes_through_counted_once(
+    h: Harness, status: str, outcome: str
 ) -> None:
-    """Should the decode answer a streamed body whose end pdproc never saw, its answer is
-    replaced by a 400 and the request counted once."""
+    """Response headers for a streamed body whose end pdproc never released: Envoy's own 413
+    (the kv guard's buffer overflowed) or the decode's answer to a body it never got whole.
+    The client gets that answer as it is; the request is counted once, by what it was."""
     _, raw = large_chat()
     call, first = await streamed_call(h, len(raw))
     assert_streamed_headers(first)
     chunks = split(raw, [100 * KiB, 100 * KiB])
     await send_chunks(call, chunks, end=False)
-    await call.write(response_headers_msg("400"))
+    await call.write(response_headers_msg(status))
     answer = await recv(call)
-    assert answer.immediate_response.status.code == 400
+    assert answer.WhichOneof("response") == "response_headers"
+    assert not answer.HasField("immediate_response")
+    assert h.sample(IN_FLIGHT) == 0
     await call.done_writing()
     await eventually(lambda: h.sample("pdproc_streams_active") == 0)
-    assert h.sample(IN_FLIGHT) == 0
     assert await h.prefill_records() == []
     assert h.sample("pdproc_requests_total") == 1
+    assert h.sample("pdproc_requests_total", outcome=outcome) == 1
