@@ -275,7 +275,7 @@ class Settings:
         None, "PEM CA bundle: require and verify client certificates (mTLS)."
     )
     workers: int = _setting(
-        1,
+        0,
         "Processes sharing the listen port (SO_REUSEPORT). 0: one per CPU the process may "
         "use (its cgroup's CPU limit, else its CPU affinity; one when the port is 0).",
         _non_negative_int,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -23,6 +24,8 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from pdproc import __version__
 from pdproc.targets import HostPort
@@ -31,6 +34,7 @@ from pdproc.targets import HostPort
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 OTHER_TARGETS = "other"
+_BUILD, _BUILD_HELP = "pdproc_build", "pdproc version."
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -59,8 +63,8 @@ class Metrics:
         directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if directory is None:
             return generate_latest(self.registry)
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry, directory)  # type: ignore[no-untyped-call]
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_WorkersPage(directory, self.registry))
         return generate_latest(registry)
 
     def __init__(self, registry: CollectorRegistry | None = None, max_targets: int = 1024) -> None:
@@ -68,11 +72,11 @@ class Metrics:
         self._max_targets = max_targets
         self._flight_labels: dict[HostPort, str] = {}
         r = self.registry
-        # CPU and memory of this process (with --workers, of each worker: pid label-free
-        # series are only exported by the process answering the scrape).
+        # CPU and memory of this process (with --workers the shared page adds up the
+        # workers': _WorkersPage).
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
-        Info("pdproc_build", "pdproc version.", registry=r).info({"version": __version__})
+        Info(_BUILD, _BUILD_HELP, registry=r).info({"version": __version__})
         self.requests = Counter(
             "pdproc_requests",
             "Requests seen by the processor, by P/D path and outcome "
@@ -181,3 +185,63 @@ class Metrics:
         else:
             with contextlib.suppress(KeyError):
                 self.breaker_open.remove(str(target))
+
+
+class _WorkersPage(Collector):
+    """The page of several worker processes (--workers): prometheus_client's multiprocess
+    view of their metric files, plus what that view leaves out, so the page has what one
+    process's page has: every declared family (also those with no sample yet), the build
+    info, the Python platform, and the process metrics of the live workers added up (CPU,
+    memory and descriptors summed; the earliest start time)."""
+
+    def __init__(self, directory: str, own: CollectorRegistry) -> None:
+        self._directory = directory
+        self._own = own
+
+    def collect(self) -> Iterator[Metric]:
+        seen: set[str] = set()
+        multi = multiprocess.MultiProcessCollector(None, self._directory)  # type: ignore[no-untyped-call]
+        for family in multi.collect():  # type: ignore[no-untyped-call]
+            seen.add(family.name)
+            yield family
+        for family in self._own.collect():
+            if family.name.startswith(("pdproc_", "python_")) and family.name not in seen:
+                if family.name in (_BUILD, "python_info"):
+                    yield family  # the same in every worker
+                else:
+                    yield Metric(family.name, family.documentation, family.type)
+        yield from _summed_process_metrics(_live_pids(self._directory))
+
+
+def _live_pids(directory: str) -> list[int]:
+    """Workers that wrote metric files and are still running."""
+    pids = set()
+    for name in os.listdir(directory):
+        stem, _, suffix = name.rpartition(".")
+        pid = stem.rpartition("_")[2]
+        if suffix == "db" and pid.isdigit() and os.path.exists(f"/proc/{pid}"):
+            pids.add(int(pid))
+    return sorted(pids)
+
+
+_EARLIEST = {"process_start_time_seconds", "process_max_fds"}
+
+
+def _constant(pid: int) -> Callable[[], int]:
+    return lambda: pid
+
+
+def _summed_process_metrics(pids: list[int]) -> Iterator[Metric]:
+    merged: dict[str, Metric] = {}
+    for pid in pids:
+        for family in ProcessCollector(registry=None, pid=_constant(pid)).collect():
+            total = merged.get(family.name)
+            if total is None:
+                merged[family.name] = family
+                continue
+            pick = min if family.name in _EARLIEST else sum
+            total.samples = [
+                mine._replace(value=pick((mine.value, theirs.value)))
+                for mine, theirs in zip(total.samples, family.samples, strict=False)
+            ]
+    yield from merged.values()

@@ -1,4 +1,4 @@
-"""`pdproc serve --workers N`: N processes on one port (0: one per usable CPU).
+"""`pdproc serve --workers N`: N processes on one port, one per usable CPU by default.
 
 Python runs one request at a time per process; the kernel spreads Envoy's HTTP/2 connections
 over the processes bound to the port (SO_REUSEPORT, set by `server.py`), and each process is

@@ -78,6 +78,23 @@ def test_workers_share_one_port_and_one_metrics_page(tmp_path: Path) -> None:
         while st.metric("pdproc_requests_total", outcome="pd") < 30 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert st.metric("pdproc_requests_total", outcome="pd") == 30
+        # What one process's page has, the shared page has too: every family (with or
+        # without samples), the build info, and the workers' process metrics added up.
+        page = st.metrics_text()
+        types = {line.split()[2] for line in page.splitlines() if line.startswith("# TYPE")}
+        for family in (
+            "pdproc_requests_total",
+            "pdproc_decode_aborts_total",
+            "pdproc_prefill_breaker_open",
+            "pdproc_build_info",
+            "python_info",
+            "process_cpu_seconds_total",
+            "process_resident_memory_bytes",
+            "process_start_time_seconds",
+        ):
+            assert family in types, family
+        assert st.metric("pdproc_build_info") == 1
+        assert st.metric("process_cpu_seconds_total") > 0
         started = [
             line for line in st.pdproc.log_path.read_text().splitlines() if "pdproc serving" in line
         ]

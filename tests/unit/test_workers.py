@@ -60,4 +60,4 @@ def test_worker_count() -> None:
     assert worker_count(replace(fixed, workers=0)) == usable_cpus()
     # Port 0: each process would pick its own port; one process.
     assert worker_count(replace(fixed, workers=0, listen=HostPort("127.0.0.1", 0))) == 1
-    assert Settings().workers == 1
+    assert Settings().workers == 0
