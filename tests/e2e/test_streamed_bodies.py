@@ -27,16 +27,10 @@ KV_REFUSED = "kv_transfer_params is set by the gateway, not by clients"
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
+    """Two-message mode only (single-message mode never streams); conftest's `fresh` resets
+    it between tests."""
     with running_stack(SIM_ARGS) as st:
         yield st
-
-
-@pytest.fixture
-def fresh(stack: Stack) -> Stack:
-    for role in ("prefill", "decode"):
-        stack.sim_post(role, "/sim/faults", {"clear": True})
-        stack.sim_post(role, "/sim/reset")
-    return stack
 
 
 def ext_proc_counter(stack: Stack, name: str) -> int:

@@ -4,130 +4,24 @@ as Envoy would send them. The prefill pod is the simulator, a real HTTP server o
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from collections.abc import Callable
 from typing import Any
 
-import grpc
 import httpx
 import orjson
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
+from pdproc_sim import RunningPrefill
 
 from pdproc._proto.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import (
     ProcessingMode,
 )
-from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from pdproc.config import BootstrapPolicy, Settings
-from pdproc.server import Server
-from pdproc.targets import AllowList, HostPort
+from pdproc.config import BootstrapPolicy
+from pdproc.targets import AllowList
 
+from .harness import Harness, eventually
 from .messages import CHAT, body_msg, headers_msg, recv, response_headers_msg
-
-
-class Harness:
-    def __init__(self, server: Server, prefill: RunningPrefill) -> None:
-        self.server = server
-        self.prefill = prefill
-        self.channel = grpc.aio.insecure_channel(
-            f"127.0.0.1:{server.port}",
-            options=[
-                ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),  # as Envoy: unlimited
-            ],
-        )
-        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
-
-    @property
-    def target(self) -> dict[str, str]:
-        return {"x-prefiller-host-port": self.prefill.address}
-
-    def open(self) -> Any:
-        return self.stub.Process()
-
-    async def past_headers(self) -> Any:
-        """A stream whose P/D request headers (aimed at the simulator) were answered."""
-        call = self.open()
-        await call.write(headers_msg(extra=self.target))
-        await recv(call)
-        return call
-
-    def sample(self, name: str, **labels: str) -> float:
-        """The sum of the samples `name{labels...}` (other labels, e.g. connector, free)."""
-        return sum(
-            sample.value
-            for family in self.server.metrics.registry.collect()
-            for sample in family.samples
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
-        )
-
-    async def prefill_records(self) -> list[dict[str, Any]]:
-        async with httpx.AsyncClient() as client:
-            response = await client.get(self.prefill.url + "/sim/requests")
-            records: list[dict[str, Any]] = response.json()["requests"]
-            return records
-
-    async def faults(self, **faults: Any) -> None:
-        async with httpx.AsyncClient() as client:
-            response = await client.post(self.prefill.url + "/sim/faults", json=faults)
-            response.raise_for_status()
-
-
-async def eventually(check: Callable[[], Any], timeout_s: float = 10.0) -> None:
-    """Wait (bounded) for a condition that depends on background work."""
-    async with asyncio.timeout(timeout_s):
-        while not await _maybe_await(check()):
-            await asyncio.sleep(0.02)
-
-
-async def _maybe_await(value: Any) -> Any:
-    return await value if asyncio.iscoroutine(value) else value
-
-
-@pytest.fixture
-async def prefill() -> AsyncIterator[RunningPrefill]:
-    running = await start_prefill(PrefillConfig(dp_ranks=2, prefill_delay_ms=50))
-    yield running
-    await running.close()
-
-
-def base_settings(prefill: RunningPrefill) -> Settings:
-    assert prefill.bootstrap_port is not None
-    return Settings(
-        listen=HostPort("127.0.0.1", 0),
-        mooncake_bootstrap_port=prefill.bootstrap_port,
-        prefill_allow=AllowList.parse(["127.0.0.1/32", "::1/128"]),
-        prefill_timeout=10.0,
-        max_body_bytes=8 * 1024 * 1024,
-    )
-
-
-@pytest.fixture
-async def make_harness(
-    prefill: RunningPrefill,
-) -> AsyncIterator[Callable[..., Any]]:
-    started: list[Harness] = []
-
-    async def make(**overrides: Any) -> Harness:
-        server = Server(replace(base_settings(prefill), **overrides))
-        await server.start()
-        harness = Harness(server, prefill)
-        started.append(harness)
-        return harness
-
-    yield make
-    for harness in started:
-        await harness.channel.close()
-        await harness.server.stop(drain_timeout_s=5)
-
-
-@pytest.fixture
-async def h(make_harness: Callable[..., Any]) -> Harness:
-    harness: Harness = await make_harness()
-    return harness
 
 
 async def test_health_service_reports_serving(h: Harness) -> None:

@@ -6,7 +6,6 @@ the body is rewritten."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -20,11 +19,10 @@ from pdproc._proto.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.config import BootstrapPolicy, KvConnector
 from pdproc.request_body import members
-from pdproc.server import Server
 from pdproc.streamed_body import TAIL
 
+from .harness import Harness, eventually
 from .messages import CHAT, body_msg, headers_msg, recv, response_headers_msg
-from .test_extproc_grpc import Harness, base_settings, eventually
 
 PATH = "/v1/chat/completions"
 KiB = 1024
@@ -37,29 +35,6 @@ async def prefill() -> AsyncIterator[RunningPrefill]:
     running = await start_prefill(PrefillConfig(dp_ranks=2, prefill_delay_ms=20))
     yield running
     await running.close()
-
-
-@pytest.fixture
-async def make_harness(prefill: RunningPrefill) -> AsyncIterator[Callable[..., Any]]:
-    started: list[Harness] = []
-
-    async def make(**overrides: Any) -> Harness:
-        server = Server(replace(base_settings(prefill), **overrides))
-        await server.start()
-        harness = Harness(server, prefill)
-        started.append(harness)
-        return harness
-
-    yield make
-    for harness in started:
-        await harness.channel.close()
-        await harness.server.stop(drain_timeout_s=5)
-
-
-@pytest.fixture
-async def h(make_harness: Callable[..., Any]) -> Harness:
-    harness: Harness = await make_harness(stream_body_bytes=256 * KiB)
-    return harness
 
 
 def large_chat(prompt_bytes: int = 300 * KiB, **extra: Any) -> tuple[dict[str, Any], bytes]:

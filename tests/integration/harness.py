@@ -1,0 +1,89 @@
+"""A real pdproc `Server` on a free port and a grpc.aio channel to it, playing Envoy's side
+of the ext_proc stream; the prefill pod is the simulator (a real HTTP server)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import httpx
+from pdproc_sim import RunningPrefill
+
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from pdproc.config import Settings
+from pdproc.server import Server
+from pdproc.targets import AllowList, HostPort
+
+from .messages import headers_msg, recv
+
+
+class Harness:
+    def __init__(self, server: Server, prefill: RunningPrefill) -> None:
+        self.server = server
+        self.prefill = prefill
+        self.channel = grpc.aio.insecure_channel(
+            f"127.0.0.1:{server.port}",
+            options=[
+                ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                ("grpc.max_receive_message_length", 64 * 1024 * 1024),  # as Envoy: unlimited
+            ],
+        )
+        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
+
+    @property
+    def target(self) -> dict[str, str]:
+        return {"x-prefiller-host-port": self.prefill.address}
+
+    def open(self) -> Any:
+        return self.stub.Process()
+
+    async def past_headers(self) -> Any:
+        """A stream whose P/D request headers (aimed at the simulator) were answered."""
+        call = self.open()
+        await call.write(headers_msg(extra=self.target))
+        await recv(call)
+        return call
+
+    def sample(self, name: str, **labels: str) -> float:
+        """The sum of the samples `name{labels...}` (other labels, e.g. connector, free)."""
+        return sum(
+            sample.value
+            for family in self.server.metrics.registry.collect()
+            for sample in family.samples
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+        )
+
+    async def prefill_records(self) -> list[dict[str, Any]]:
+        async with httpx.AsyncClient() as client:
+            response = await client.get(self.prefill.url + "/sim/requests")
+            records: list[dict[str, Any]] = response.json()["requests"]
+            return records
+
+    async def faults(self, **faults: Any) -> None:
+        async with httpx.AsyncClient() as client:
+            response = await client.post(self.prefill.url + "/sim/faults", json=faults)
+            response.raise_for_status()
+
+
+async def eventually(check: Callable[[], Any], timeout_s: float = 10.0) -> None:
+    """Wait (bounded) for a condition that depends on background work."""
+    async with asyncio.timeout(timeout_s):
+        while not await _maybe_await(check()):
+            await asyncio.sleep(0.02)
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if asyncio.iscoroutine(value) else value
+
+
+def base_settings(prefill: RunningPrefill) -> Settings:
+    assert prefill.bootstrap_port is not None
+    return Settings(
+        listen=HostPort("127.0.0.1", 0),
+        mooncake_bootstrap_port=prefill.bootstrap_port,
+        prefill_allow=AllowList.parse(["127.0.0.1/32", "::1/128"]),
+        prefill_timeout=10.0,
+        max_body_bytes=8 * 1024 * 1024,
+    )
