@@ -299,22 +299,25 @@ class Disaggregated(_BodyChecks):
     async def _stream_chunk(self, body: pb.HttpBody, streamed: StreamedBody) -> Answer:
         """A chunk of a streamed body: on at once, except the held-back tail."""
         try:
-            try:
-                data = streamed.feed(body.body, body.end_of_stream)
-            except BodyError as exc:
-                return self.context.reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
-            if not body.end_of_stream:
-                return msg.chunk_response(data)
+            data = streamed.feed(body.body, body.end_of_stream)
+        except BodyError as exc:
+            return self._stream_refused(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
+        if not body.end_of_stream:
+            return msg.chunk_response(data)
+        try:
             return await self._stream_end(streamed)
         finally:
-            if body.end_of_stream or self.context.finished:
-                self._budget.close()
+            self._budget.close()
+
+    def _stream_refused(self, reply: ErrorReply) -> msg.Response:
+        """A streamed body refused before its end: its bytes leave the budget now."""
+        self._budget.close()
+        return self.context.reject(reply)
 
     def request_trailers(self) -> Answer:
         if self._streamed is not None and not self.context.finished:
             # Only a chunk marked as the body's last can carry its rewritten end.
-            self._budget.close()
-            return self.context.reject(_TRAILERS)
+            return self._stream_refused(_TRAILERS)
         return msg.CONTINUE_REQUEST_TRAILERS
 
     async def _stream_end(self, streamed: StreamedBody) -> msg.Response:

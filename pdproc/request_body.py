@@ -98,9 +98,8 @@ def with_fields(raw: bytes, parsed: Mapping[str, Any], fields: Mapping[str, Any]
 
     The keys must not be in `parsed`. A prompt may be megabytes long: it is copied once and
     its numbers keep their exact spelling."""
-    # parse_body proved the last non-blank byte is "}": cut there, copy the prompt once.
-    cut = _last_non_blank(raw, len(raw)) - 1
-    cut = _last_non_blank(raw, cut)
+    # Cut before the closing brace (and the blanks before it); copy the prompt once.
+    cut = _last_non_blank(raw, closing_brace(raw))
     added = members(fields)
     tail = (b"," if parsed and added else b"") + added + b"}"
     return b"".join((memoryview(raw)[:cut], tail))
@@ -109,6 +108,12 @@ def with_fields(raw: bytes, parsed: Mapping[str, Any], fields: Mapping[str, Any]
 def members(fields: Mapping[str, Any]) -> bytes:
     """Top-level fields as JSON object members: `"a":1,"b":2`, without braces."""
     return orjson.dumps(fields)[1:-1]
+
+
+def closing_brace(raw: bytes) -> int:
+    """The index of a JSON object's closing brace: parse_body proved it is the last byte
+    that is not white space."""
+    return _last_non_blank(raw, len(raw)) - 1
 
 
 _JSON_BLANKS = b" \t\r\n"

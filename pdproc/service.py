@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -86,7 +86,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         end_of_stream: bool,
         *,
         single_message: bool,
-        call_metadata: Mapping[str, str],
+        call_metadata: Callable[[], Mapping[str, str]],
         abort: Abort,
     ) -> RequestProcessor:
         """What this request is, decided from its headers."""

@@ -136,20 +136,23 @@ class Stream:
     def _open(
         self, headers: dict[str, str], end_of_stream: bool, *, single_message: bool
     ) -> RequestProcessor:
-        metadata = {
-            key: value
-            for key, value in self._context.invocation_metadata() or ()
-            if isinstance(value, str)
-        }
         processor = self._service.open_request(
             headers,
             end_of_stream,
             single_message=single_message,
-            call_metadata=metadata,
+            call_metadata=self._call_metadata,
             abort=self._abort,
         )
         self._processor = processor
         return processor
+
+    def _call_metadata(self) -> dict[str, str]:
+        """The gRPC call's text metadata (Envoy's trace context), read only when wanted."""
+        return {
+            key: value
+            for key, value in self._context.invocation_metadata() or ()
+            if isinstance(value, str)
+        }
 
     def _abort(self, response: msg.Response) -> None:
         """End the request now, unasked (the prefill failed before the decode answered)."""

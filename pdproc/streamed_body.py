@@ -16,7 +16,7 @@ Pure: no I/O, so it is tested without servers.
 
 from __future__ import annotations
 
-from pdproc.request_body import BodyError
+from pdproc.request_body import BodyError, closing_brace
 
 # Bytes held back at the end of the body. The closing brace must fall among them: JSON
 # allows whitespace after it, and a client that sends more than 15 bytes of it gets a 400.
@@ -74,7 +74,7 @@ class StreamedBody:
 
         `whole` must be a JSON object (parse_body proved it); `empty_object` says it has no
         members (no comma before the insertion then)."""
-        brace = len(whole.rstrip(b" \t\r\n")) - 1
+        brace = closing_brace(whole)
         if len(whole) - 1 - brace >= TAIL:  # then the brace may have gone on already
             raise BodyError(
                 f"more than {TAIL - 1} bytes of white space follow the request body's closing brace"
@@ -82,4 +82,6 @@ class StreamedBody:
         if not insertion:
             return whole[self._released :]
         separator = b"" if empty_object else b","
-        return b"".join((whole[self._released : brace], separator, insertion, whole[brace:]))
+        # A body that came in one chunk is all tail: copy it once, not once per slice.
+        view = memoryview(whole)
+        return b"".join((view[self._released : brace], separator, insertion, view[brace:]))

@@ -15,7 +15,7 @@ propagated into the prefill request.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
@@ -63,11 +63,12 @@ class Tracing:
         headers: Mapping[str, str],
         path: str,
         method: str,
-        call_metadata: Mapping[str, str] | None = None,
+        call_metadata: Callable[[], Mapping[str, str]] | None = None,
     ) -> Span | None:
         if not self.enabled:
-            return None
-        carrier = call_metadata if call_metadata and "traceparent" in call_metadata else headers
+            return None  # before the call's metadata is even read: tracing off costs nothing
+        metadata = call_metadata() if call_metadata is not None else {}
+        carrier = metadata if "traceparent" in metadata else headers
         parent = propagate.extract(carrier)
         span = self._tracer.start_span(
             "pdproc.request", context=parent, kind=SpanKind.SERVER, attributes=_RPC_ATTRIBUTES

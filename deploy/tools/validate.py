@@ -300,19 +300,26 @@ def known_metric(name: str, pdproc_metrics: frozenset[str]) -> bool:
 # ------------------------------------------------------------------------------ PromQL
 
 
+def check_expr(label: str, expr: str, pdproc_metrics: frozenset[str], report: Report) -> bool:
+    """Report an expression that does not parse (False) or names an unknown metric."""
+    try:
+        names = promql.metric_names(expr)
+    except ValueError as exc:
+        report.error(label, f"PromQL does not parse: {exc}")
+        return False
+    for name in sorted(names):
+        if not known_metric(name, pdproc_metrics):
+            report.error(label, f"unknown metric {name}")
+    return True
+
+
 def check_rules(docs: list[Doc], pdproc_metrics: frozenset[str], report: Report) -> None:
     for rule_doc in (d for d in docs if d.kind == "PrometheusRule"):
         for group in rule_doc.spec.get("groups", []):
             for rule in group.get("rules", []):
                 label = f"{rule_doc.where} {rule.get('alert') or rule.get('record')}"
-                try:
-                    names = promql.metric_names(str(rule["expr"]))
-                except ValueError as exc:
-                    report.error(label, f"PromQL does not parse: {exc}")
+                if not check_expr(label, str(rule["expr"]), pdproc_metrics, report):
                     continue
-                for name in sorted(names):
-                    if not known_metric(name, pdproc_metrics):
-                        report.error(label, f"unknown metric {name}")
                 if "alert" in rule:
                     annotations = rule.get("annotations") or {}
                     for key in ("summary", "description", "runbook_url"):
@@ -352,14 +359,8 @@ def check_dashboards(
             for target in panel.get("targets", []):
                 expr = promql.grafana_expr(target.get("expr", ""), values)
                 label = f"{rel} panel {panel.get('title')!r}"
-                try:
-                    names = promql.metric_names(expr)
-                except ValueError as exc:
-                    report.error(label, f"PromQL does not parse: {exc}")
+                if not check_expr(label, expr, pdproc_metrics, report):
                     continue
-                for name in sorted(names):
-                    if not known_metric(name, pdproc_metrics):
-                        report.error(label, f"unknown metric {name}")
                 if "pdproc_" in expr and "$namespace" not in target.get("expr", ""):
                     report.error(label, "query is not filtered by $namespace/$job/$pod")
                 report.ok("promql: dashboard queries parsed")

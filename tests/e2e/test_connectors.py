@@ -32,14 +32,6 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
         yield st
 
 
-@pytest.fixture
-def fresh(stack: Stack) -> Stack:
-    for role in ("prefill", "decode"):
-        stack.sim_post(role, "/sim/faults", {"clear": True})
-        stack.sim_post(role, "/sim/reset")
-    return stack
-
-
 def connector(stack: Stack) -> str:
     return str(stack.sim_get("decode", "/sim/stats")["kv_connector"])
 

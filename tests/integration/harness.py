@@ -15,6 +15,7 @@ from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc 
 from pdproc.config import Settings
 from pdproc.server import Server
 from pdproc.targets import AllowList, HostPort
+from tests.metric_samples import sample_sum
 
 from .messages import headers_msg, recv
 
@@ -48,12 +49,7 @@ class Harness:
 
     def sample(self, name: str, **labels: str) -> float:
         """The sum of the samples `name{labels...}` (other labels, e.g. connector, free)."""
-        return sum(
-            sample.value
-            for family in self.server.metrics.registry.collect()
-            for sample in family.samples
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
-        )
+        return sample_sum(self.server.metrics.registry, name, **labels)
 
     async def prefill_records(self) -> list[dict[str, Any]]:
         async with httpx.AsyncClient() as client:

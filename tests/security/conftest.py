@@ -29,6 +29,7 @@ from pdproc.config import Settings
 from pdproc.server import Server
 from pdproc.service import ExtProcService
 from pdproc.targets import AllowList, HostPort
+from tests.metric_samples import sample_sum
 
 from .envoy_role import CHAT_PATH, Outcome, channel, play
 from .pods import HostilePod
@@ -71,12 +72,7 @@ class Pd:
 
     def sample(self, name: str, **labels: str) -> float:
         """The sum of the samples `name` whose labels include `labels` (0 when none)."""
-        return sum(
-            sample.value
-            for family in self.server.metrics.registry.collect()
-            for sample in family.samples
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
-        )
+        return sample_sum(self.server.metrics.registry, name, **labels)
 
     async def metrics_page(self) -> str:
         """The /metrics page, scraped over HTTP as Prometheus would."""
