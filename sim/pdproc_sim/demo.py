@@ -140,7 +140,9 @@ def run_demo(port: int = 10000, dp_ranks: int = 2, connector: str = DEFAULT_CONN
     return 0
 
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP: the terminal the demo runs in was closed. Left at its default, it would kill the
+# demo without its clean-up and leave Envoy (and the rest) running, holding the port.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@ failure keeps the log folder and says where it is. Real processes, ports picked 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -108,6 +109,10 @@ def _children(pid: int) -> list[int]:
     return [int(child) for child in text.split()]
 
 
+def _running(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
 def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
@@ -199,3 +204,35 @@ async def test_demo_serves_each_connector_and_stops_cleanly(tmp_path: Path, conn
             await process.wait()
     assert process.returncode == 0, err.decode()
     assert log_folders(tmp_path) == []  # a clean stop leaves nothing behind
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
+async def test_demo_stops_everything_it_started_on_hangup(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    """Closing the terminal (SIGHUP) stops the demo like Ctrl-C: Envoy and the rest exit
+    and the port is free again."""
+    port = free_port()
+    process = await _start_demo(tmp_path, port)
+    children: list[int] = []
+    try:
+        children = _children(process.pid)
+        assert len(children) >= 3  # the simulator, pdproc, Envoy
+        assert port_in_use("127.0.0.1", port)
+        process.send_signal(signum)
+        _, err = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
+        still_running = [pid for pid in children if _running(pid)]
+        assert still_running == [], [_cmdline(pid) for pid in still_running]
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        for pid in children:  # whatever the demo left behind, the test stops
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert process.returncode == 0, err.decode()
+    assert not port_in_use("127.0.0.1", port)
+    assert log_folders(tmp_path) == []
