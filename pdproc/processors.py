@@ -15,7 +15,6 @@ Every request ends in exactly one outcome, counted by its `RequestContext`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -56,6 +55,11 @@ _OVERLOADED = ErrorReply(
 _TRAILERS = ErrorReply(ErrorKind.BAD_REQUEST, "request trailers are not supported on P/D paths")
 # Outcome of a streamed request answered before pdproc saw its body end.
 UNFINISHED = "unfinished_body"
+# The client left (its stream ended) before the decode's answer reached it, and no prefill
+# of its was running (none launched yet, or already finished).
+ABANDONED = "abandoned"
+# The same, with its prefill still running: pdproc cancelled it (nobody will use its KV).
+CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +136,8 @@ class RequestProcessor(Protocol):
 
     def response_headers(self, headers: pb.HttpHeaders) -> Answer: ...
 
-    def close(self) -> None: ...
+    def close(self, *, abandoned: bool) -> None:
+        """The stream ended; `abandoned`: before the decode's answer went to the client."""
 
 
 class PassThrough:
@@ -154,7 +159,9 @@ class PassThrough:
     def response_headers(self, headers: pb.HttpHeaders) -> Answer:
         return msg.CONTINUE_RESPONSE_HEADERS
 
-    def close(self) -> None:
+    def close(self, *, abandoned: bool) -> None:
+        if abandoned:
+            self.context.finish(ABANDONED)  # unless it was counted already
         self.context.close()
 
 
@@ -244,8 +251,9 @@ class Disaggregated(_BodyChecks):
         self._min_prompt = min_prompt
         self._job: PrefillJob | None = None
         self._streamed: StreamedBody | None = None
-        # Body bytes a streamed request holds against --max-inflight-bytes until its end.
-        self._budget = contextlib.ExitStack()
+        # Body bytes a streamed request holds against --max-inflight-bytes until its end:
+        # those that arrived, chunk by chunk (pdproc.budget).
+        self._budget = context.service.budget.holding()
         self._response_seen = False
         self._busy_s = 0.0
         if context.span is not None:
@@ -280,9 +288,9 @@ class Disaggregated(_BodyChecks):
 
     def _stream(self, length: int) -> msg.Response:
         """Have Envoy stream the body past pdproc; its bytes count against the in-flight
-        budget until its end."""
+        budget as they arrive, until its end. The announced length reserves nothing."""
         service = self.context.service
-        if not self._budget.enter_context(service.body_budget(length)):
+        if service.budget.full:
             return self.context.reject(_OVERLOADED)
         self._streamed = StreamedBody(length)
         if self.context.span is not None:
@@ -298,6 +306,8 @@ class Disaggregated(_BodyChecks):
 
     async def _stream_chunk(self, body: pb.HttpBody, streamed: StreamedBody) -> Answer:
         """A chunk of a streamed body: on at once, except the held-back tail."""
+        if not self._budget.grow(len(body.body)):
+            return self._stream_refused(_OVERLOADED)
         try:
             data = streamed.feed(body.body, body.end_of_stream)
         except BodyError as exc:
@@ -307,11 +317,11 @@ class Disaggregated(_BodyChecks):
         try:
             return await self._stream_end(streamed)
         finally:
-            self._budget.close()
+            self._budget.release()
 
     def _stream_refused(self, reply: ErrorReply) -> msg.Response:
         """A streamed body refused before its end: its bytes leave the budget now."""
-        self._budget.close()
+        self._budget.release()
         return self.context.reject(reply)
 
     def request_trailers(self) -> Answer:
@@ -435,8 +445,7 @@ class Disaggregated(_BodyChecks):
                 body = connector.decode_body(request, outcome.answer)
             except BodyError as exc:
                 return self._alone(f"unusable prefill answer: {exc}")
-            self.context.finish("pd")
-            return self._decode(body)
+            return self._decode(body)  # counted once the decode answers (response_headers)
         reply = prefill_error(outcome)
         if connector.on_failure(outcome.status) is OnFailure.PASS_THROUGH:
             self.context.finish(reply.kind.value)
@@ -455,10 +464,15 @@ class Disaggregated(_BodyChecks):
         return self._alone(reply.message)
 
     def _prefill_done(self, outcome: asyncio.Future[PrefillOutcome]) -> None:
-        """Count the request; a failure seen before the decode answered aborts it at once."""
+        """Count a failure (and abort the request at once if the decode has not answered);
+        a success counts as `pd` once the decode has answered too."""
         result = outcome.result()
-        self.context.finish("pd" if result.ok else prefill_error(result).kind.value)
-        if not result.ok and not self._response_seen:
+        if result.ok:
+            if self._response_seen:
+                self.context.finish("pd")
+            return
+        self.context.finish(prefill_error(result).kind.value)
+        if not self._response_seen:
             self._abort(self._aborted(result, "before_response"))
 
     def response_headers(self, headers: pb.HttpHeaders) -> Answer:
@@ -469,7 +483,7 @@ class Disaggregated(_BodyChecks):
             # kv guard's buffer overflowed: 413) or the decode's, to a body it never got
             # whole. It goes to the client as it is; the request is counted here.
             status = msg.status_of(headers)
-            self._budget.close()
+            self._budget.release()
             self.context.finish(ErrorKind.TOO_LARGE.value if status == "413" else UNFINISHED)
             return msg.CONTINUE_RESPONSE_HEADERS
         if job is None:
@@ -479,7 +493,10 @@ class Disaggregated(_BodyChecks):
             # A decode 5xx may be a stale engine id (the prefill pod restarted): re-query.
             self.context.service.engines.invalidate(job.target)
         if self.context.service.connector.sequential:
-            return msg.CONTINUE_RESPONSE_HEADERS  # the prefill ended before the decode began
+            # The prefill ended before the decode began.
+            if job.outcome.done() and job.outcome.result().ok:
+                self.context.finish("pd")
+            return msg.CONTINUE_RESPONSE_HEADERS
         if job.outcome.done():
             return self._settled(job.outcome.result(), "before_response")
         if not status.startswith("2"):
@@ -495,6 +512,7 @@ class Disaggregated(_BodyChecks):
 
     def _settled(self, outcome: PrefillOutcome, when: str) -> msg.Response:
         if outcome.ok:
+            self.context.finish("pd")
             return msg.CONTINUE_RESPONSE_HEADERS
         return self._aborted(outcome, when)
 
@@ -504,14 +522,19 @@ class Disaggregated(_BodyChecks):
         fail(self.context.span, outcome.error or outcome.outcome)
         return msg.immediate(prefill_error(outcome))
 
-    def close(self) -> None:
+    def close(self, *, abandoned: bool) -> None:
         job = self._job
-        sequential = self.context.service.connector.sequential
-        if sequential and job is not None and job.task is not None and not job.outcome.done():
-            # Nobody will use this prefill's KV: free the prefill pod's work and blocks.
-            job.task.cancel()
-            self.context.finish("cancelled")
-        self._budget.close()
+        if abandoned and not self.context.finished:
+            if job is not None and job.task is not None and not job.outcome.done():
+                # The client left before the decode answered: Envoy resets the decode, so
+                # nobody will use this prefill's KV. Cancelling it closes its connection,
+                # which has vLLM and SGLang abort it and free its work and blocks
+                # (docs/operations.md, "Clients that hang up").
+                job.task.cancel()
+                self.context.finish(CANCELLED)
+            else:
+                self.context.finish(ABANDONED)
+        self._budget.release()
         self.context.close()
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.bootstrap import EngineMaps
 from pdproc.breaker import POD_DOWN, CircuitBreakers
+from pdproc.budget import ByteBudget
 from pdproc.config import BootstrapPolicy, Settings
 from pdproc.connectors import Connector
 from pdproc.discovery import DnsPool
@@ -63,7 +64,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._static_pool = frozenset(settings.prefill)
         self.draining = False  # shutting down: no new prefills, the decode serves alone
         self._outcome_counters: dict[tuple[str, str, str], Any] = {}
-        self._body_bytes = 0
+        self.budget = ByteBudget(settings.max_inflight_bytes, metrics.bodies_bytes.set)
         launcher.set_hook(self.on_prefill_outcome)
 
     async def Process(
@@ -128,20 +129,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             case BadRequest(reason):
                 return Rejected(context, ErrorReply(ErrorKind.BAD_REQUEST, reason))
 
-    @contextlib.contextmanager
-    def body_budget(self, size: int) -> Iterator[bool]:
+    def body_budget(self, size: int) -> contextlib.AbstractContextManager[bool]:
         """Hold `size` request-body bytes while a body is processed; False (and nothing
         held) when that would pass --max-inflight-bytes."""
-        if self._body_bytes + size > self.settings.max_inflight_bytes and self._body_bytes:
-            yield False
-            return
-        self._body_bytes += size
-        self.metrics.bodies_bytes.set(self._body_bytes)
-        try:
-            yield True
-        finally:
-            self._body_bytes -= size
-            self.metrics.bodies_bytes.set(self._body_bytes)
+        return self.budget.hold(size)
 
     def count(self, path: str, outcome: str) -> None:
         key = (path if path in self.settings.pd_path else "other", outcome, self.connector.name)

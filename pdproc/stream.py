@@ -50,6 +50,8 @@ class Stream:
         self.phase = Phase.REQUEST_HEADERS
         self._processor: RequestProcessor | None = None
         self._write_lock = asyncio.Lock()
+        # The decode's answer went on to the client (its response headers were answered).
+        self._answered = False
         # Writes that run beside the message loop (a deferred answer, an abort): held so
         # they are not collected before they have written, cancelled if the stream ends.
         self._background: set[asyncio.Task[None]] = set()
@@ -89,9 +91,11 @@ class Stream:
 
     def close(self) -> None:
         for task in self._background:
-            task.cancel()  # the client left; the prefill itself carries on
+            task.cancel()
         if self._processor is not None:
-            self._processor.close()
+            # Ended before the decode's answer reached the client: the client left (or
+            # Envoy gave up). Counted once, whatever the phase.
+            self._processor.close(abandoned=not self._answered and self.phase is not Phase.DONE)
 
     async def _answer(self, message: pb.ProcessingRequest) -> msg.Response | Deferred:
         kind = message.WhichOneof("request")
@@ -198,6 +202,8 @@ class Stream:
                 self.phase = Phase.DONE
             try:
                 await self._context.write(response)
+                if response.HasField("response_headers"):
+                    self._answered = True
             except (grpc.aio.AbortError, grpc.aio.UsageError, RuntimeError) as exc:
                 # Envoy already closed the stream (client gone): nothing can be answered.
                 log.debug("ext_proc write after stream end: %r", exc)

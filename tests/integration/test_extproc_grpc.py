@@ -238,12 +238,39 @@ async def test_partial_body_gets_413(h: Harness) -> None:
     assert (await recv(call)).immediate_response.status.code == 413
 
 
-async def test_cancelled_stream_leaves_prefill_running(h: Harness) -> None:
+async def test_a_stream_cancelled_before_the_decode_answered_cancels_its_prefill(
+    h: Harness,
+) -> None:
+    """The client hung up before the decode answered: nobody will use the prefill's KV, so
+    pdproc cancels it (the pod aborts it) and counts the request `cancelled`, not `pd`."""
     await h.faults(prefill_hang=True)
     call = await h.past_headers()
     await call.write(body_msg(CHAT))
     await recv(call)
+    assert h.server.service is not None
+    await eventually(lambda: h.server.service.launcher.total_in_flight == 1)
     call.cancel()  # the client hung up; Envoy resets the stream
+    await eventually(lambda: h.sample("pdproc_streams_active") == 0)
+    await eventually(lambda: h.server.service.launcher.total_in_flight == 0)
+    assert h.sample("pdproc_prefills_total", outcome="cancelled") == 1
+    assert h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="cancelled") == 1
+    assert h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="pd") == 0
+    assert len(h.server.service.breakers) == 0  # the client leaving is not the pod's fault
+    await h.faults(prefill_hang=False)
+
+
+async def test_a_stream_ended_after_the_decode_answered_leaves_the_prefill_running(
+    h: Harness,
+) -> None:
+    """Past the decode's answer (here a 503 of its own) the prefill carries on and is
+    counted when it ends: the client got its answer."""
+    await h.faults(prefill_hang=True)
+    call = await h.past_headers()
+    await call.write(body_msg(CHAT))
+    await recv(call)
+    await call.write(response_headers_msg("503"))
+    assert (await recv(call)).WhichOneof("response") == "response_headers"
+    call.cancel()
     await eventually(lambda: h.sample("pdproc_streams_active") == 0)
     assert h.server.service is not None
     assert h.server.service.launcher.total_in_flight == 1
@@ -466,6 +493,8 @@ async def test_pool_mode_leaves_short_prompts_to_the_decode(
         await call.write(body_msg(body))
         answer = await recv(call)
         assert answer.request_body.response.HasField("body_mutation") is rewritten
+        await call.write(response_headers_msg("200"))
+        assert (await recv(call)).WhichOneof("response") == "response_headers"
         await call.done_writing()
     path = "/v1/chat/completions"
     assert h.sample("pdproc_requests_total", path=path, outcome="short_prompt") == 1

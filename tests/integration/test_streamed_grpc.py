@@ -539,16 +539,19 @@ async def test_single_message_mode_partial_chunk_is_not_streamed(h: Harness) -> 
 # --- (f) the in-flight byte budget --------------------------------------------------------
 
 
-async def test_a_streamed_body_holds_its_length_in_flight_until_its_end(h: Harness) -> None:
+async def test_a_streamed_body_holds_the_bytes_that_arrived_until_its_end(h: Harness) -> None:
+    """The announced content-length reserves nothing: each chunk counts as it arrives."""
     _, raw = large_chat()
     call, first = await streamed_call(h, len(raw))
     assert_streamed_headers(first)
-    assert h.sample(IN_FLIGHT) == len(raw)
+    assert h.sample(IN_FLIGHT) == 0
     chunks = split(raw, [100 * KiB, 100 * KiB])
+    arrived = 0
     for chunk in chunks[:-1]:
         await call.write(body_msg(chunk, end_of_stream=False))
         await recv(call)
-        assert h.sample(IN_FLIGHT) == len(raw)
+        arrived += len(chunk)
+        assert h.sample(IN_FLIGHT) == arrived
     await call.write(body_msg(chunks[-1]))
     assert checked_mark(await recv(call)) is True
     assert h.sample(IN_FLIGHT) == 0
@@ -562,9 +565,10 @@ async def test_a_streamed_body_holds_its_length_in_flight_until_its_end(h: Harne
 async def test_a_refused_streamed_body_releases_its_budget(h: Harness) -> None:
     _, raw = large_chat(kv_transfer_params={"x": 1})
     call, _ = await streamed_call(h, len(raw))
+    await send_chunks(call, split(raw, [200 * KiB]), end=False)
     assert h.sample(IN_FLIGHT) == len(raw)
-    answers = await send_chunks(call, split(raw, [200 * KiB]))
-    assert rejection(answers[-1])[0] == 400
+    await call.write(body_msg(b"", end_of_stream=True))
+    assert rejection(await recv(call))[0] == 400
     assert h.sample(IN_FLIGHT) == 0
 
 
@@ -573,7 +577,7 @@ async def test_a_stream_cut_off_mid_body_releases_its_budget(h: Harness) -> None
     call, _ = await streamed_call(h, len(raw))
     await call.write(body_msg(raw[: 100 * KiB], end_of_stream=False))
     await recv(call)
-    assert h.sample(IN_FLIGHT) == len(raw)
+    assert h.sample(IN_FLIGHT) == 100 * KiB
     call.cancel()  # the client hung up mid-body; Envoy resets the stream
     await eventually(lambda: h.sample("pdproc_streams_active") == 0)
     assert h.sample(IN_FLIGHT) == 0
@@ -581,10 +585,12 @@ async def test_a_stream_cut_off_mid_body_releases_its_budget(h: Harness) -> None
 
 
 async def test_a_stream_ended_before_any_body_releases_the_budget(h: Harness) -> None:
-    """The headers announced a large body, then the stream ended with none of it."""
+    """The headers announced a large body, then the stream ended with part of it."""
     call, first = await streamed_call(h, 300 * KiB)
     assert_streamed_headers(first)
-    assert h.sample(IN_FLIGHT) == 300 * KiB
+    await call.write(body_msg(b"{" + b" " * KiB, end_of_stream=False))
+    await recv(call)
+    assert h.sample(IN_FLIGHT) == KiB + 1
     await call.done_writing()
     assert await call.read() is grpc.aio.EOF
     await eventually(lambda: h.sample("pdproc_streams_active") == 0)
@@ -594,28 +600,41 @@ async def test_a_stream_ended_before_any_body_releases_the_budget(h: Harness) ->
 async def test_streamed_bodies_past_max_inflight_bytes_get_503(
     make_harness: Callable[..., Any],
 ) -> None:
+    """Bytes that arrived count: a body whose next chunk would pass the budget while
+    another holds bytes is refused (503) at that chunk, and a new one is refused at its
+    headers while the budget is full."""
     _, raw = large_chat()
-    h: Harness = await make_harness(
-        stream_body_bytes=256 * KiB, max_inflight_bytes=len(raw) + len(raw) // 2
-    )
+    budget = len(raw) + len(raw) // 2
+    h: Harness = await make_harness(stream_body_bytes=256 * KiB, max_inflight_bytes=budget)
     first_call, first = await streamed_call(h, len(raw))
     assert_streamed_headers(first)
-    # The first streamed body holds its whole length from its headers on: a second one
-    # does not fit beside it, and is refused before any of its body is read.
+    first_chunks = split(raw, [200 * KiB])
+    await send_chunks(first_call, first_chunks[:1], end=False)
+    assert h.sample(IN_FLIGHT) == 200 * KiB
+    # A second body fits beside it until its bytes pass the budget.
     second_call, second = await streamed_call(h, len(raw))
-    assert second.immediate_response.status.code == 503
+    assert_streamed_headers(second)
+    answers = await send_chunks(second_call, split(raw, [200 * KiB, 100 * KiB]), end=False)
+    assert len(answers) == 2
+    assert answers[-1].immediate_response.status.code == 503
     assert h.sample("pdproc_requests_total", path=PATH, outcome="overloaded") == 1
-    assert h.sample(IN_FLIGHT) == len(raw)
-    answers = await send_chunks(first_call, split(raw, [200 * KiB]))
+    assert h.sample(IN_FLIGHT) == 200 * KiB  # the refused body's bytes left at once
+    answers = await send_chunks(first_call, first_chunks[1:])
     assert checked_mark(answers[-1]) is True
     assert h.sample(IN_FLIGHT) == 0
-    # With the first one done, the next fits.
-    third_call, third = await streamed_call(h, len(raw))
-    assert_streamed_headers(third)
-    assert h.sample(IN_FLIGHT) == len(raw)
-    for call in (first_call, second_call, third_call):
+    # A body alone may pass the budget (bounding one body is --max-body-bytes' job)...
+    big = raw[:-2] + b" " * 12 + raw[-2:]
+    h2: Harness = await make_harness(stream_body_bytes=256 * KiB, max_inflight_bytes=len(raw) // 2)
+    alone_call, alone = await streamed_call(h2, len(big))
+    assert_streamed_headers(alone)
+    answers = await send_chunks(alone_call, split(big, [100 * KiB, 100 * KiB]), end=False)
+    assert h2.sample(IN_FLIGHT) == len(big)
+    # ...and while the budget is full, a new streamed body is refused at its headers.
+    full_call, full = await streamed_call(h2, len(raw))
+    assert full.immediate_response.status.code == 503
+    for call in (first_call, second_call, alone_call, full_call):
         call.cancel()
-    await eventually(lambda: h.sample(IN_FLIGHT) == 0)
+    await eventually(lambda: h.sample(IN_FLIGHT) == 0 and h2.sample(IN_FLIGHT) == 0)
     assert h.sample(STREAMED) == 2
 
 
