@@ -28,12 +28,39 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from pdproc import __version__
+from pdproc.errors import ErrorKind
 from pdproc.targets import HostPort
 
 # `_created` series double the number of counter series and nobody graphs them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 OTHER_TARGETS = "other"
+
+# Every outcome a request is counted as (pdproc_requests_total's `outcome`), exactly one per
+# request. tests/unit/test_outcomes.py checks the code records no other.
+REQUEST_OUTCOMES: tuple[str, ...] = (
+    "pd",  # prefill and decode both answered
+    "passthrough",  # not disaggregated: not a P/D request, no target, or draining
+    "decode_only",  # a fallback: the decode served it alone (prefill unusable)
+    "short_prompt",  # below --pd-min-prompt: the decode served it alone
+    "unfinished_body",  # a streamed body answered before it ended
+    "abandoned",  # the client left before the decode's answer reached it
+    "cancelled",  # the same, and pdproc cancelled its running prefill
+    *(kind.value for kind in ErrorKind),  # answered by pdproc itself
+)
+# Every outcome of a prefill (pdproc_prefills_total's `outcome`).
+PREFILL_OUTCOMES: tuple[str, ...] = (
+    "2xx",
+    "3xx",
+    "4xx",
+    "5xx",
+    "timeout",
+    "connect_error",
+    "error",
+    "cancelled",  # the client left: pdproc cancelled it (never held against the pod)
+    "exhausted",  # pdproc out of descriptors or memory (never held against the pod)
+    "internal",  # a bug in pdproc (never held against the pod)
+)
 _BUILD, _BUILD_HELP = "pdproc_build", "pdproc version."
 
 _LATENCY_BUCKETS = (
@@ -79,14 +106,14 @@ class Metrics:
         Info(_BUILD, _BUILD_HELP, registry=r).info({"version": __version__})
         self.requests = Counter(
             "pdproc_requests",
-            "Requests seen by the processor, by P/D path and outcome "
-            "(pd, passthrough, decode_only, cancelled or an error kind) and KV connector.",
+            "Requests seen by the processor, by P/D path, outcome "
+            f"({', '.join(REQUEST_OUTCOMES)}) and KV connector.",
             ["path", "outcome", "connector"],
             registry=r,
         )
         self.prefills = Counter(
             "pdproc_prefills",
-            "Prefill requests finished, by outcome (2xx, 4xx, 5xx, timeout, connect_error, error).",
+            f"Prefill requests finished, by outcome ({', '.join(PREFILL_OUTCOMES)}).",
             ["outcome"],
             registry=r,
         )
