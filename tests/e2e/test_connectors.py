@@ -171,31 +171,34 @@ def test_unusable_prefill_answer_falls_back_to_the_decode(fresh: Stack) -> None:
 
 
 def test_client_hanging_up(fresh: Stack) -> None:
-    """NIXL: the client leaving while the prefill runs cancels it (nobody would use its KV).
-    SGLang: the prefill runs on regardless, like Mooncake's."""
+    """Every connector: the client leaving while its prefill runs (before the decode
+    answered) cancels the prefill (nobody would use its KV) and counts `cancelled`. Once the
+    decode's answer is on its way, the prefill runs on and the request counts `pd`."""
     name = connector(fresh)
+    fresh.sim_post("prefill", "/sim/faults", {"prefill_hang": True})
+    with pytest.raises(httpx.ReadTimeout):
+        post(fresh, "/v1/chat/completions", CHAT, timeout_s=1.0)
+    eventually(lambda: fresh.metric("pdproc_prefills_total", outcome="cancelled") >= 1)
+    assert fresh.metric("pdproc_requests_total", outcome="cancelled", connector=name) >= 1
+    assert fresh.metric("pdproc_requests_total", outcome="pd", connector=name) == 0
     if name == "nixlv2":
-        fresh.sim_post("prefill", "/sim/faults", {"prefill_hang": True})
-        with pytest.raises(httpx.ReadTimeout):
-            post(fresh, "/v1/chat/completions", CHAT, timeout_s=1.0)
-        eventually(lambda: fresh.metric("pdproc_prefills_total", outcome="cancelled") >= 1)
-        assert fresh.metric("pdproc_requests_total", outcome="cancelled", connector=name) >= 1
-        assert records(fresh, "decode") == []
-        assert fresh.metric("pdproc_prefill_breaker_open") == 0
-    else:
-        before = fresh.metric("pdproc_prefills_total", outcome="2xx")
-        with (
-            httpx.Client(timeout=60) as client,
-            client.stream(
-                "POST",
-                fresh.envoy.url + "/v1/chat/completions",
-                json={**CHAT, "stream": True, "max_tokens": 200},
-                headers={"x-prefiller-host-port": str(fresh.sim.prefill)},
-            ) as response,
-        ):
-            assert response.status_code == 200
-            next(response.iter_bytes())  # the first chunk, then hang up
-        eventually(lambda: fresh.metric("pdproc_prefills_total", outcome="2xx") > before)
+        assert records(fresh, "decode") == []  # sequential: the decode was never asked
+    assert fresh.metric("pdproc_prefill_breaker_open") == 0
+    fresh.sim_post("prefill", "/sim/faults", {"clear": True})
+    before = fresh.metric("pdproc_prefills_total", outcome="2xx")
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream(
+            "POST",
+            fresh.envoy.url + "/v1/chat/completions",
+            json={**CHAT, "stream": True, "max_tokens": 200},
+            headers={"x-prefiller-host-port": str(fresh.sim.prefill)},
+        ) as response,
+    ):
+        assert response.status_code == 200
+        next(response.iter_bytes())  # the first chunk, then hang up
+    eventually(lambda: fresh.metric("pdproc_prefills_total", outcome="2xx") > before)
+    eventually(lambda: fresh.metric("pdproc_requests_total", outcome="pd", connector=name) == 1)
 
 
 def test_metrics_and_errors_carry_the_connector(fresh: Stack) -> None:

@@ -17,17 +17,15 @@ import orjson
 import pytest
 from pdproc_sim.devstack import Stack, free_port
 
+from pdproc.metrics import REQUEST_OUTCOMES
+
 from .conftest import eventually, ext_proc_errors, forget_engine_ids
 
 pytestmark = pytest.mark.e2e
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
 FAST = 10.0  # seconds: the bound that separates "fails fast" from "waits for the KV timeout"
-OUTCOMES = (
-    "pd", "passthrough", "decode_only", "bad_request", "forbidden", "too_large",
-    "bootstrap_error", "prefill_failed", "prefill_timeout", "prefill_unavailable",
-    "internal_error", "overloaded", "cancelled",
-)  # fmt: skip
+OUTCOMES = REQUEST_OUTCOMES
 
 
 SIM_ARGS = ("--dp-ranks", "2", "--kv-timeout-s", "60", "--itl-ms", "5")
