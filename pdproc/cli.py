@@ -247,8 +247,16 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"pdproc serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, settings.log_format)
+    from pdproc.listeners import PortInUse, check_ports_free
     from pdproc.workers import run_workers, worker_count
 
+    try:
+        check_ports_free(
+            [(settings.listen, "--listen"), (settings.metrics_listen, "--metrics-listen")]
+        )
+    except PortInUse as exc:
+        print(f"pdproc serve: {exc}", file=sys.stderr)
+        return 2
     if worker_count(settings) > 1:
         return run_workers(settings)
     return run(settings, tracer_provider)

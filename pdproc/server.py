@@ -26,6 +26,7 @@ from pdproc.connectors.mooncake import Mooncake
 from pdproc.connectors.nixlv2 import NixlV2
 from pdproc.connectors.sglang import SGLang
 from pdproc.discovery import DnsPool
+from pdproc.listeners import PortInUse
 from pdproc.metrics import Metrics
 from pdproc.pod_http import new_session
 from pdproc.prefill import PrefillLauncher
@@ -46,8 +47,13 @@ class Server:
         settings: Settings,
         metrics: Metrics | None = None,
         tracer_provider: TracerProvider | None = None,
+        *,
+        share_ports: bool = False,
     ) -> None:
         self.settings = settings
+        # One of several worker processes (--workers): bind the ports with SO_REUSEPORT.
+        # Alone, bind without it, so a port another process holds is refused (listeners.py).
+        self._share_ports = share_ports
         self.metrics = metrics or Metrics(max_targets=settings.max_targets)
         self._tracer_provider = tracer_provider
         self.tracing = Tracing(tracer_provider)
@@ -116,20 +122,22 @@ class Server:
             options=[
                 ("grpc.max_receive_message_length", s.grpc_max_message_bytes),
                 ("grpc.max_send_message_length", s.grpc_max_message_bytes),
-                # Several worker processes may share the port (--workers).
-                ("grpc.so_reuseport", 1),
+                ("grpc.so_reuseport", int(self._share_ports)),
             ]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         listen = str(s.listen)
         credentials = _server_credentials(s)
-        if credentials is None:
-            self.port = server.add_insecure_port(listen)
-        else:
-            self.port = server.add_secure_port(listen, credentials)
+        try:
+            if credentials is None:
+                self.port = server.add_insecure_port(listen)
+            else:
+                self.port = server.add_secure_port(listen, credentials)
+        except RuntimeError:
+            self.port = 0  # grpcio raises where older releases returned 0
         if not self.port:
-            raise OSError(f"cannot listen on {listen}")
+            raise PortInUse(f"--listen {listen}: cannot listen there (port in use?)")
         await server.start()
         self._server = server
         for name in ("", EXT_PROC_SERVICE):
@@ -163,7 +171,7 @@ class Server:
         self._web = web.AppRunner(app, access_log=None)
         await self._web.setup()
         # reuse_port: with --workers every process serves the same (aggregated) page.
-        site = web.TCPSite(self._web, listen.host, listen.port, reuse_port=True)
+        site = web.TCPSite(self._web, listen.host, listen.port, reuse_port=self._share_ports)
         await site.start()
         self.metrics_port = _bound_port(self._web, listen.port)
 
@@ -276,11 +284,22 @@ def _server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
     )
 
 
-def run(settings: Settings, tracer_provider: TracerProvider | None = None) -> int:
+def run(
+    settings: Settings,
+    tracer_provider: TracerProvider | None = None,
+    *,
+    share_ports: bool = False,
+) -> int:
     """Run one server until SIGTERM/SIGINT, on uvloop when it is installed."""
-    server = Server(settings, tracer_provider=tracer_provider)
+    server = Server(settings, tracer_provider=tracer_provider, share_ports=share_ports)
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(server.serve_forever())
-    return uvloop.run(server.serve_forever())
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    try:
+        return runner(server.serve_forever())
+    except PortInUse as exc:
+        log.error("%s", exc)
+        return 2

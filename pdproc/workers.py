@@ -134,4 +134,4 @@ def _worker(settings: Settings) -> None:
     from pdproc.telemetry import provider_from_env
 
     setup_logging(settings.log_level, settings.log_format)
-    sys.exit(run(settings, provider_from_env()))
+    sys.exit(run(settings, provider_from_env(), share_ports=True))
