@@ -21,7 +21,7 @@ from opentelemetry.trace import Span, SpanKind
 from pdproc.connectors import EngineMap
 from pdproc.connectors.mooncake import MAX_QUERY_BYTES, BootstrapError, parse_engine_map
 from pdproc.metrics import Metrics
-from pdproc.pod_http import read_at_most
+from pdproc.pod_http import locally_exhausted, read_at_most
 from pdproc.targets import HostPort
 from pdproc.telemetry import ATTR_CACHE, ATTR_ENGINES, ATTR_TARGET, Tracing, fail
 
@@ -133,11 +133,16 @@ class EngineMaps:
                 payload = await read_at_most(response.content, MAX_QUERY_BYTES)
         except TimeoutError:
             raise BootstrapError(f"failed to query bootstrap endpoint {url}: timed out") from None
-        except aiohttp.ClientConnectorError as exc:
-            raise BootstrapError(
-                f"failed to query bootstrap endpoint {url}: {exc}", pod_down=True
-            ) from None
         except (aiohttp.ClientError, OSError) as exc:
+            if locally_exhausted(exc):
+                raise BootstrapError(
+                    f"pdproc is out of resources ({exc}): bootstrap endpoint {url} not queried",
+                    local=True,
+                ) from None
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                raise BootstrapError(
+                    f"failed to query bootstrap endpoint {url}: {exc}", pod_down=True
+                ) from None
             raise BootstrapError(
                 f"failed to query bootstrap endpoint {url}: {type(exc).__name__}"
             ) from None

@@ -6,9 +6,29 @@ its answers is bounded, and nothing it sends (a redirect, an endless body) is fo
 
 from __future__ import annotations
 
+import errno
+
 import aiohttp
 
 _CHUNK = 64 * 1024
+# pdproc itself out of descriptors, buffers or memory: says nothing about the pod.
+_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+def locally_exhausted(exc: BaseException) -> bool:
+    """True when `exc` (or what it wraps) is pdproc's own resource exhaustion (EMFILE:
+    "Too many open files", ENFILE, ENOBUFS, ENOMEM), never to be held against a pod."""
+    seen: BaseException | None = exc
+    for _ in range(4):  # aiohttp wraps the OSError once or twice
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in _EXHAUSTED:
+            return True
+        wrapped = getattr(seen, "os_error", None)
+        if isinstance(wrapped, OSError) and wrapped.errno in _EXHAUSTED:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def new_session(max_connections: int) -> aiohttp.ClientSession:

@@ -23,7 +23,7 @@ from opentelemetry.trace import Span, SpanKind
 
 from pdproc.connectors import Legs
 from pdproc.metrics import Metrics
-from pdproc.pod_http import discard, read_at_most
+from pdproc.pod_http import discard, locally_exhausted, read_at_most
 from pdproc.targets import PREFILL_HEADER, HostPort
 from pdproc.telemetry import (
     ATTR_DURATION_MS,
@@ -74,8 +74,9 @@ _DROP_HEADERS = frozenset(
 
 # Outcomes that say nothing about the pod: never held against it.
 INTERNAL = "internal"  # pdproc's own failure
-CANCELLED = "cancelled"  # the client left before a sequential prefill finished
-NOT_THE_POD = frozenset({INTERNAL, CANCELLED})
+CANCELLED = "cancelled"  # the client left before the decode answered: pdproc cancelled it
+EXHAUSTED = "exhausted"  # pdproc out of descriptors or memory (EMFILE, ENOMEM ...)
+NOT_THE_POD = frozenset({INTERNAL, CANCELLED, EXHAUSTED})
 
 
 def prefill_headers(
@@ -255,10 +256,13 @@ class PrefillLauncher:
                     )
         except TimeoutError:
             settle("timeout", error=f"no answer in {self._timeout_s:g}s")
-        except aiohttp.ClientConnectorError as exc:
-            settle("connect_error", error=str(exc))
         except (aiohttp.ClientError, OSError) as exc:
-            settle("error", error=type(exc).__name__)
+            if locally_exhausted(exc):
+                settle(EXHAUSTED, error=f"pdproc is out of resources: {exc}")
+            elif isinstance(exc, aiohttp.ClientConnectorError):
+                settle("connect_error", error=str(exc))
+            else:
+                settle("error", error=type(exc).__name__)
         except asyncio.CancelledError:
             settle(CANCELLED, error="prefill cancelled")
             raise

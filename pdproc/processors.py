@@ -30,7 +30,7 @@ from pdproc.config import BootstrapPolicy
 from pdproc.connectors import ClientRequest, Concurrent, EngineMap, Legs, OnFailure
 from pdproc.connectors.mooncake import BootstrapError
 from pdproc.errors import ErrorKind, ErrorReply
-from pdproc.prefill import PrefillJob, PrefillOutcome
+from pdproc.prefill import EXHAUSTED, PrefillJob, PrefillOutcome
 from pdproc.request_body import BodyError, members, parse_body
 from pdproc.streamed_body import TAIL, StreamedBody, parse_content_length
 from pdproc.targets import HostPort
@@ -350,6 +350,8 @@ class Disaggregated(_BodyChecks):
             try:
                 engines = await service.engines.get(self._target, self.context.span)
             except BootstrapError as exc:
+                if exc.local:
+                    return self.context.reject(_exhausted(exc))
                 service.breakers.record(self._target, POD_DOWN if exc.pod_down else "bootstrap")
                 reply = ErrorReply(ErrorKind.BOOTSTRAP, str(exc))
                 if service.settings.on_bootstrap_error is BootstrapPolicy.REJECT:
@@ -383,6 +385,8 @@ class Disaggregated(_BodyChecks):
             try:
                 engines = await service.engines.get(self._target, self.context.span)
             except BootstrapError as exc:
+                if exc.local:
+                    return self.context.reject(_exhausted(exc))
                 service.breakers.record(self._target, POD_DOWN if exc.pod_down else "bootstrap")
                 return self._without_prefill(ErrorReply(ErrorKind.BOOTSTRAP, str(exc)))
         busy = service.launcher.in_flight_by_rank(self._target)
@@ -538,7 +542,15 @@ class Disaggregated(_BodyChecks):
         self.context.close()
 
 
+def _exhausted(exc: Exception) -> ErrorReply:
+    """pdproc itself is out of resources: a 503 like any overload, not the pod's fault."""
+    log.error("pdproc is out of resources: %s", exc)
+    return ErrorReply(ErrorKind.OVERLOADED, "the gateway is out of resources; retry later")
+
+
 def prefill_error(outcome: PrefillOutcome) -> ErrorReply:
+    if outcome.outcome == EXHAUSTED:
+        return ErrorReply(ErrorKind.OVERLOADED, "the gateway is out of resources; retry later")
     if outcome.outcome == "timeout":
         return ErrorReply(ErrorKind.PREFILL_TIMEOUT, f"prefill timed out: {outcome.error}")
     return ErrorReply(ErrorKind.PREFILL_FAILED, f"prefill failed: {outcome.error}")

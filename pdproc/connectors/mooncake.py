@@ -32,11 +32,14 @@ class BootstrapError(Exception):
     """The bootstrap server's answer cannot be used.
 
     `pod_down` says the server could not even be reached: the prefill pod itself is gone.
+    `local` says pdproc itself ran out of resources (descriptors, memory): not the pod's
+    fault, never held against it.
     """
 
-    def __init__(self, message: str, *, pod_down: bool = False) -> None:
+    def __init__(self, message: str, *, pod_down: bool = False, local: bool = False) -> None:
         super().__init__(message)
         self.pod_down = pod_down
+        self.local = local
 
 
 def parse_engine_map(payload: bytes) -> EngineMap:
