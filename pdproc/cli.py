@@ -9,6 +9,7 @@ themselves are declared once, in `pdproc.config.Settings`.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -247,6 +248,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"pdproc serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, settings.log_format)
+    from pdproc.limits import apply_descriptor_limit, needed_descriptors
     from pdproc.listeners import PortInUse, check_ports_free
     from pdproc.workers import run_workers, worker_count
 
@@ -257,6 +259,14 @@ def _serve(args: argparse.Namespace) -> int:
     except PortInUse as exc:
         print(f"pdproc serve: {exc}", file=sys.stderr)
         return 2
+    plan = apply_descriptor_limit(
+        needed_descriptors(settings.max_prefill_connections, settings.metrics_listen is not None)
+    )
+    if plan.refusal is not None:
+        print(f"pdproc serve: {plan.refusal}", file=sys.stderr)
+        return 2
+    if plan.warning is not None:
+        logging.getLogger("pdproc").warning("%s", plan.warning)
     if worker_count(settings) > 1:
         return run_workers(settings)
     return run(settings, tracer_provider)

@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pdproc import limits
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.bootstrap import EngineMaps
 from pdproc.breaker import CircuitBreakers
@@ -26,6 +27,7 @@ from pdproc.connectors.mooncake import Mooncake
 from pdproc.connectors.nixlv2 import NixlV2
 from pdproc.connectors.sglang import SGLang
 from pdproc.discovery import DnsPool
+from pdproc.http_site import BoundedTCPSite
 from pdproc.listeners import PortInUse
 from pdproc.metrics import Metrics
 from pdproc.pod_http import new_session
@@ -123,6 +125,7 @@ class Server:
                 ("grpc.max_receive_message_length", s.grpc_max_message_bytes),
                 ("grpc.max_send_message_length", s.grpc_max_message_bytes),
                 ("grpc.so_reuseport", int(self._share_ports)),
+                *limits.grpc_options(),
             ]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.service, server)
@@ -168,10 +171,19 @@ class Server:
         app.router.add_get("/metrics", self._metrics_page)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
-        self._web = web.AppRunner(app, access_log=None)
+        # keepalive_timeout: also how long a connection may take to send a request head.
+        self._web = web.AppRunner(
+            app, access_log=None, keepalive_timeout=limits.HTTP_IDLE_TIMEOUT_S
+        )
         await self._web.setup()
         # reuse_port: with --workers every process serves the same (aggregated) page.
-        site = web.TCPSite(self._web, listen.host, listen.port, reuse_port=self._share_ports)
+        site = BoundedTCPSite(
+            self._web,
+            listen.host,
+            listen.port,
+            max_connections=limits.HTTP_MAX_CONNECTIONS,
+            reuse_port=self._share_ports,
+        )
         await site.start()
         self.metrics_port = _bound_port(self._web, listen.port)
 
