@@ -127,16 +127,18 @@ def passed_through(status: int, body: bytes, content_type: str | None) -> Respon
     )
 
 
-def body_response(body: bytes, *, content_length: bool) -> Response:
+def body_response(body: bytes, *, content_length: bool, request_id: str | None = None) -> Response:
     """The rewritten body. With the request headers still held by Envoy, content-length must
-    change with it; in single-message mode they are gone upstream already and Envoy sends
-    the body chunked."""
+    change with it (and `request_id`, when given, replaces x-request-id); in single-message
+    mode they are gone upstream already and Envoy sends the body chunked."""
     # Filled in place: nesting constructors would copy a megabyte body once per level.
     response = Response()
     common = response.request_body.response
     if content_length:
         length = str(len(body)).encode()
         common.header_mutation.set_headers.append(_header("content-length", length))
+        if request_id is not None:
+            common.header_mutation.set_headers.append(_header("x-request-id", request_id.encode()))
     common.body_mutation.body = body
     response.dynamic_metadata.CopyFrom(_CHECKED)
     return response

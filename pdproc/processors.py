@@ -28,7 +28,7 @@ from pdproc import envoy_messages as msg
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.breaker import POD_DOWN
 from pdproc.config import BootstrapPolicy
-from pdproc.connectors import ClientRequest, Concurrent, EngineMap, Legs, OnFailure
+from pdproc.connectors import AnswerError, ClientRequest, Concurrent, EngineMap, Legs, OnFailure
 from pdproc.connectors.mooncake import BootstrapError
 from pdproc.errors import ErrorKind, ErrorReply
 from pdproc.prefill import PrefillJob, PrefillOutcome
@@ -56,6 +56,9 @@ _OVERLOADED = ErrorReply(
 _TRAILERS = ErrorReply(ErrorKind.BAD_REQUEST, "request trailers are not supported on P/D paths")
 # Outcome of a streamed request answered before pdproc saw its body end.
 UNFINISHED = "unfinished_body"
+# Outcome of a request whose prefill answered what the decode may not be given (NIXL: a side
+# channel outside the allow list, wrong types or sizes): the decode serves it alone.
+REFUSED_ANSWER = "prefill_answer_refused"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +87,17 @@ class RequestContext:
         span: Span | None,
         *,
         single_message: bool,
+        id_replaced: bool = False,
     ) -> None:
         self.service = service
         self.headers = headers
         self.path = path
         self.span = span
         self.single_message = single_message
+        # pdproc's id for the request (pdproc.request_ids): the client's x-request-id, or one
+        # pdproc minted in place of an unfit value (`id_replaced`).
         self.request_id = headers.get("x-request-id", "")
+        self.id_replaced = id_replaced
         self.finished = False
 
     def finish(self, outcome: str) -> None:
@@ -412,7 +419,11 @@ class Disaggregated(_BodyChecks):
         return job
 
     def _decode(self, body: bytes) -> msg.Response:
-        return msg.body_response(body, content_length=not self.context.single_message)
+        context = self.context
+        # With the request headers still held, the decode gets the id the prefill got.
+        held = not context.single_message
+        request_id = context.request_id if held and context.id_replaced else None
+        return msg.body_response(body, content_length=held, request_id=request_id)
 
     def _deferred(self, job: PrefillJob, later: Awaitable[msg.Response]) -> Deferred:
         """An answer that waits for the prefill. The override asking Envoy to wait is sized
@@ -432,9 +443,14 @@ class Disaggregated(_BodyChecks):
         connector = self.context.service.connector
         if outcome.ok and outcome.answer is not None:
             try:
-                body = connector.decode_body(request, outcome.answer)
-            except BodyError as exc:
-                return self._alone(f"unusable prefill answer: {exc}")
+                body = connector.decode_body(
+                    request, outcome.answer, self._target, self.context.service.admits
+                )
+            except AnswerError as exc:
+                # The pod's answer is refused: the decode serves the request alone (NIXL's
+                # failure rule), counted apart from a failed prefill.
+                fail(self.context.span, str(exc))
+                return self._alone(f"prefill answer refused: {exc}", REFUSED_ANSWER)
             self.context.finish("pd")
             return self._decode(body)
         reply = prefill_error(outcome)
@@ -445,8 +461,8 @@ class Disaggregated(_BodyChecks):
             )
         return self._alone(reply.message)
 
-    def _alone(self, reason: str) -> msg.Response:
-        return DecodeOnly(self.context, "decode_only", reason).served_alone()
+    def _alone(self, reason: str, outcome: str = "decode_only") -> msg.Response:
+        return DecodeOnly(self.context, outcome, reason).served_alone()
 
     def _without_prefill(self, reply: ErrorReply) -> Answer:
         """No prefill can serve this request: reject it, or let the decode do it alone."""
