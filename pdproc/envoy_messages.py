@@ -77,6 +77,19 @@ CHECK_BODY_ONLY_HEADERS = Response(
 )
 CONTINUE_REQUEST_BODY = Response(request_body=pb.BodyResponse())
 CHECKED_REQUEST_BODY = Response(request_body=pb.BodyResponse(), dynamic_metadata=_CHECKED)
+
+
+def checked_request_body(request_id: str | None) -> Response:
+    """The client's body on unchanged, marked checked; with the request headers still held,
+    `request_id` (when given) replaces x-request-id."""
+    if request_id is None:
+        return CHECKED_REQUEST_BODY
+    response = Response(dynamic_metadata=_CHECKED)
+    mutation = response.request_body.response.header_mutation
+    mutation.set_headers.append(_header("x-request-id", request_id.encode()))
+    return response
+
+
 CONTINUE_RESPONSE_HEADERS = Response(response_headers=pb.HeadersResponse())
 CONTINUE_RESPONSE_BODY = Response(response_body=pb.BodyResponse())
 CONTINUE_REQUEST_TRAILERS = Response(request_trailers=pb.TrailersResponse())

@@ -109,6 +109,11 @@ class RequestContext:
         if self.span is not None and self.span.is_recording():
             self.span.set_attribute(ATTR_OUTCOME, outcome)
 
+    def held_request_id(self) -> str | None:
+        """The id to set on the decode leg: pdproc's, when it replaced the client's and
+        Envoy still holds the request headers (two-message mode)."""
+        return self.request_id if self.id_replaced and not self.single_message else None
+
     def log_fields(self, **more: Any) -> dict[str, Any]:
         return {"request_id": self.request_id, "path": self.path, **trace_fields(self.span), **more}
 
@@ -221,7 +226,7 @@ class DecodeOnly(_BodyChecks, PassThrough):
     def served_alone(self) -> msg.Response:
         """The client's own body goes on to the decode, marked as checked."""
         self.record()
-        return msg.CHECKED_REQUEST_BODY
+        return msg.checked_request_body(self.context.held_request_id())
 
     def record(self) -> None:
         """Count (and log, if it is a fallback) that the decode serves this request alone."""
@@ -419,11 +424,12 @@ class Disaggregated(_BodyChecks):
         return job
 
     def _decode(self, body: bytes) -> msg.Response:
-        context = self.context
         # With the request headers still held, the decode gets the id the prefill got.
-        held = not context.single_message
-        request_id = context.request_id if held and context.id_replaced else None
-        return msg.body_response(body, content_length=held, request_id=request_id)
+        return msg.body_response(
+            body,
+            content_length=not self.context.single_message,
+            request_id=self.context.held_request_id(),
+        )
 
     def _deferred(self, job: PrefillJob, later: Awaitable[msg.Response]) -> Deferred:
         """An answer that waits for the prefill. The override asking Envoy to wait is sized
