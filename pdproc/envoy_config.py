@@ -65,6 +65,11 @@ _PREFILL_HEADER_FILTER = (
     + _HEADER_TO_METADATA
     + """
               request_rules:
+              # An empty value gets no metadata from the rule below: this one records that
+              # the header was there (an empty header means "no disaggregation").
+              - header: x-prefiller-host-port
+                on_header_present:
+                  {metadata_namespace: pdproc, key: prefiller_present, value: "1", type: STRING}
               - header: x-prefiller-host-port
                 on_header_present: {metadata_namespace: pdproc, key: prefiller, type: STRING}
                 remove: true"""

@@ -37,6 +37,8 @@ REQUEST_ATTRIBUTES = (
 _HEADER_ATTRIBUTE = "request.headers['"
 METADATA_NAMESPACE = "pdproc"
 METADATA_PREFILL_KEY = "prefiller"
+# Set whenever the header was sent, even empty (header_to_metadata skips empty values).
+METADATA_PREFILL_PRESENT_KEY = "prefiller_present"
 # Body answers for a body pdproc has checked carry this mark, so a rule after ext_proc can
 # refuse client-chosen kv_transfer_params on requests pdproc never saw (it failed open).
 METADATA_CHECKED_KEY = "body_checked"
@@ -240,6 +242,8 @@ def headers_from_attributes(request: pb.ProcessingRequest) -> dict[str, str] | N
     metadata = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
     if metadata is not None and METADATA_PREFILL_KEY in metadata.fields:
         headers[PREFILL_HEADER] = metadata.fields[METADATA_PREFILL_KEY].string_value
+    elif metadata is not None and METADATA_PREFILL_PRESENT_KEY in metadata.fields:
+        headers[PREFILL_HEADER] = ""
     return headers
 
 
