@@ -137,6 +137,13 @@ def _add_envoy_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--admin", default="127.0.0.1:9901", help="Envoy admin HOST:PORT")
     parser.add_argument("--pd-path", action="append", help="P/D path (repeatable)")
     parser.add_argument(
+        "--open-path",
+        action="append",
+        help="non-P/D path that reaches the decode pods, its body checked by the kv guard "
+        "(repeatable; replaces the default /v1/models, /health, /version; every other path "
+        "gets a 404)",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=int,
         default=16 * 1024 * 1024,
@@ -274,6 +281,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _envoy_config(args: argparse.Namespace) -> int:
     from pdproc.envoy_config import (
+        DEFAULT_OPEN_PATHS,
         EnvoyOptions,
         default_envoy_version,
         parse_envoy_version,
@@ -288,6 +296,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
             decode=parse_targets(args.decode),
             admin=parse_host_port(args.admin),
             pd_paths=tuple(args.pd_path or DEFAULT_PD_PATHS),
+            open_paths=tuple(DEFAULT_OPEN_PATHS if args.open_path is None else args.open_path),
             max_body_bytes=args.max_body_bytes,
             max_message_timeout_s=args.max_message_timeout,
             with_processor=not args.no_processor,

@@ -17,7 +17,13 @@ from string import Template
 
 from pdproc.config import DEFAULT_PD_PATHS, MiB
 from pdproc.envoy_messages import REQUEST_ATTRIBUTES
-from pdproc.targets import HostPort, parse_host_port
+from pdproc.gateway_fields import GATEWAY_HEADERS
+from pdproc.targets import PREFILL_HEADER, HostPort, parse_host_port
+
+# Paths other than the P/D ones that reach the decode pods (with the kv guard, without
+# pdproc): read-only ones a client of an OpenAI-style server expects. Every other path is
+# refused by the generated config (`--open-path` replaces this list).
+DEFAULT_OPEN_PATHS = ("/v1/models", "/health", "/version")
 
 _ACCESS_LOG = """\
           access_log:
@@ -59,6 +65,11 @@ _PREFILL_HEADER_FILTER = (
     + _HEADER_TO_METADATA
     + """
               request_rules:
+              # An empty value gets no metadata from the rule below: this one records that
+              # the header was there (an empty header means "no disaggregation").
+              - header: x-prefiller-host-port
+                on_header_present:
+                  {metadata_namespace: pdproc, key: prefiller_present, value: "1", type: STRING}
               - header: x-prefiller-host-port
                 on_header_present: {metadata_namespace: pdproc, key: prefiller, type: STRING}
                 remove: true"""
@@ -132,6 +143,8 @@ class EnvoyOptions:
     decode: Sequence[HostPort]
     admin: HostPort
     pd_paths: Sequence[str] = DEFAULT_PD_PATHS
+    # Non-P/D paths that reach the decode (kv guard, no pdproc); all others get a 404.
+    open_paths: Sequence[str] = DEFAULT_OPEN_PATHS
     max_body_bytes: int = 16 * MiB
     max_message_timeout_s: float = 300.0
     message_timeout_s: float = 10.0
@@ -161,6 +174,12 @@ class EnvoyOptions:
     processor_sni: str | None = None
 
     def __post_init__(self) -> None:
+        for path in (*self.pd_paths, *self.open_paths):
+            if not _PATH.fullmatch(path):
+                raise ValueError(f"not a plain request path: {path!r}")
+        both = sorted(set(self.pd_paths) & set(self.open_paths))
+        if both:
+            raise ValueError(f"{both[0]} is both a P/D path and an open path")
         if self.envoy_version not in SUPPORTED_ENVOY_VERSIONS:
             parse_envoy_version("{}.{}".format(*self.envoy_version))  # raises, with the range
         if self.request_timeout_s <= self.message_timeout_s:
@@ -201,6 +220,36 @@ def _pd_routes(paths: Sequence[str]) -> str:
     return "\n".join([header, *routes])
 
 
+# An exact request path as a route matches it (and as YAML carries it in double quotes).
+_PATH = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@/-]*")
+_EXT_PROC_PER_ROUTE = (
+    "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+)
+
+
+def _open_routes(paths: Sequence[str]) -> str:
+    """Routes to the decode for the open paths: pdproc skips them, the kv guard does not."""
+    if not paths:
+        return ""
+    routes = [
+        f"              - name: open\n"
+        f'                match: {{path: "{path}"}}\n'
+        "                route: {cluster: decode, timeout: 0s}\n"
+        "#@extproc-begin\n"
+        "                typed_per_filter_config:\n"
+        "                  envoy.filters.http.ext_proc:\n"
+        f'                    "@type": {_EXT_PROC_PER_ROUTE}\n'
+        "                    disabled: true\n"
+        "#@extproc-end"
+        for path in paths
+    ]
+    header = (
+        "              # Open paths (--open-path): to the decode without pdproc, each body still\n"
+        "              # checked by the kv guard."
+    )
+    return "\n".join([header, *routes])
+
+
 def _pd_variant_regex(paths: Sequence[str]) -> str:
     """Other spellings of the P/D paths that the decode's HTTP server might still route to
     its P/D handler after Envoy's normalisation: another letter case, or anything after the
@@ -210,6 +259,19 @@ def _pd_variant_regex(paths: Sequence[str]) -> str:
     alternatives = "|".join(re.escape(path) for path in paths)
     return "'" + f"(?is)(?:{alternatives})(?:[/;.%\\s].*)?".replace("'", "''") + "'"
 
+
+_NOT_ROUTED_BODY = json.dumps(
+    json.dumps(
+        {
+            "object": "error",
+            "message": "not found: this gateway serves the P/D endpoints and a few read-only ones",
+            "type": "NotFoundError",
+            "param": "",
+            "code": 404,
+        },
+        separators=(",", ":"),
+    )
+)
 
 _PD_VARIANT_BODY = json.dumps(
     json.dumps(
@@ -287,6 +349,9 @@ def render(options: EnvoyOptions) -> str:
         pd_routes=_pd_routes(options.pd_paths),
         pd_variant_regex=_pd_variant_regex(options.pd_paths),
         pd_variant_body=_PD_VARIANT_BODY,
+        open_routes=_open_routes(options.open_paths),
+        not_routed_body=_NOT_ROUTED_BODY,
+        headers_to_remove=json.dumps([PREFILL_HEADER, *GATEWAY_HEADERS]),
         forwarding_namespaces=_FORWARDING_NAMESPACES if options.single_message else "",
         kv_guard_source=_indented(kv_guard_source(), 18),
         processor_transport_socket=_tls_socket(options),

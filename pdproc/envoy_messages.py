@@ -37,6 +37,8 @@ REQUEST_ATTRIBUTES = (
 _HEADER_ATTRIBUTE = "request.headers['"
 METADATA_NAMESPACE = "pdproc"
 METADATA_PREFILL_KEY = "prefiller"
+# Set whenever the header was sent, even empty (header_to_metadata skips empty values).
+METADATA_PREFILL_PRESENT_KEY = "prefiller_present"
 # Body answers for a body pdproc has checked carry this mark, so a rule after ext_proc can
 # refuse client-chosen kv_transfer_params on requests pdproc never saw (it failed open).
 METADATA_CHECKED_KEY = "body_checked"
@@ -77,6 +79,19 @@ CHECK_BODY_ONLY_HEADERS = Response(
 )
 CONTINUE_REQUEST_BODY = Response(request_body=pb.BodyResponse())
 CHECKED_REQUEST_BODY = Response(request_body=pb.BodyResponse(), dynamic_metadata=_CHECKED)
+
+
+def checked_request_body(request_id: str | None) -> Response:
+    """The client's body on unchanged, marked checked; with the request headers still held,
+    `request_id` (when given) replaces x-request-id."""
+    if request_id is None:
+        return CHECKED_REQUEST_BODY
+    response = Response(dynamic_metadata=_CHECKED)
+    mutation = response.request_body.response.header_mutation
+    mutation.set_headers.append(_header("x-request-id", request_id.encode()))
+    return response
+
+
 CONTINUE_RESPONSE_HEADERS = Response(response_headers=pb.HeadersResponse())
 CONTINUE_RESPONSE_BODY = Response(response_body=pb.BodyResponse())
 CONTINUE_REQUEST_TRAILERS = Response(request_trailers=pb.TrailersResponse())
@@ -127,16 +142,18 @@ def passed_through(status: int, body: bytes, content_type: str | None) -> Respon
     )
 
 
-def body_response(body: bytes, *, content_length: bool) -> Response:
+def body_response(body: bytes, *, content_length: bool, request_id: str | None = None) -> Response:
     """The rewritten body. With the request headers still held by Envoy, content-length must
-    change with it; in single-message mode they are gone upstream already and Envoy sends
-    the body chunked."""
+    change with it (and `request_id`, when given, replaces x-request-id); in single-message
+    mode they are gone upstream already and Envoy sends the body chunked."""
     # Filled in place: nesting constructors would copy a megabyte body once per level.
     response = Response()
     common = response.request_body.response
     if content_length:
         length = str(len(body)).encode()
         common.header_mutation.set_headers.append(_header("content-length", length))
+        if request_id is not None:
+            common.header_mutation.set_headers.append(_header("x-request-id", request_id.encode()))
     common.body_mutation.body = body
     response.dynamic_metadata.CopyFrom(_CHECKED)
     return response
@@ -225,6 +242,8 @@ def headers_from_attributes(request: pb.ProcessingRequest) -> dict[str, str] | N
     metadata = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
     if metadata is not None and METADATA_PREFILL_KEY in metadata.fields:
         headers[PREFILL_HEADER] = metadata.fields[METADATA_PREFILL_KEY].string_value
+    elif metadata is not None and METADATA_PREFILL_PRESENT_KEY in metadata.fields:
+        headers[PREFILL_HEADER] = ""
     return headers
 
 

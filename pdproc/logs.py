@@ -7,6 +7,7 @@ passed there (no authorization header, no prompt text).
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any
 
@@ -33,6 +34,18 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry, default=str).decode()
 
 
+# A field value written bare in text logs; anything else is quoted and escaped like a JSON
+# string, so no value (a client's request id, a pod's error) can forge another field or line.
+_BARE = re.compile(r"[^\s\"\\=\x00-\x1f\x7f]+")
+
+
+def text_value(value: Any) -> str:
+    text = value if isinstance(value, str) else str(value)
+    if _BARE.fullmatch(text) and text.isascii():
+        return text
+    return orjson.dumps(text).decode()
+
+
 class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -40,7 +53,9 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         extras = " ".join(
-            f"{key}={value}" for key, value in record.__dict__.items() if key not in _STANDARD
+            f"{key}={text_value(value)}"
+            for key, value in record.__dict__.items()
+            if key not in _STANDARD
         )
         return f"{line} {extras}" if extras else line
 

@@ -46,6 +46,7 @@ REQUEST_OUTCOMES: tuple[str, ...] = (
     "unfinished_body",  # a streamed body answered before it ended
     "abandoned",  # the client left before the decode's answer reached it
     "cancelled",  # the same, and pdproc cancelled its running prefill
+    "prefill_answer_refused",  # the prefill's answer was unfit for the decode: served alone
     *(kind.value for kind in ErrorKind),  # answered by pdproc itself
 )
 # Every outcome of a prefill (pdproc_prefills_total's `outcome`).

@@ -1,7 +1,8 @@
 """Which prefill pod serves a request: a pure decision with a tagged result.
 
 The endpoint picker's `x-prefiller-host-port` header wins when the allow list (or the pool)
-admits it; without the header a pool member is chosen, the one with the fewest prefills in
+admits it, and a header that names no pod (empty, or only commas) means "no disaggregation";
+without the header a pool member is chosen, the one with the fewest prefills in
 flight whose circuit breaker lets it be used. The caller supplies the breaker and in-flight
 views as functions, so this module holds no state and does no I/O.
 """
@@ -56,11 +57,13 @@ def pick_target(
     in_flight: Callable[[HostPort], int],
 ) -> Pick:
     try:
-        named = target_from_header([header]) if header else None
+        named = target_from_header([header]) if header is not None else None
     except TargetError as exc:
         return BadRequest(str(exc))
     if named is None:
-        if not pool:
+        if header is not None or not pool:
+            # A header that names no pod (empty, blanks, commas) is an endpoint picker's
+            # "no disaggregation", as in llm-d: the decode serves the request alone.
             return NoTarget()
         for member in sorted(pool, key=in_flight):
             if breaker_allows(member):

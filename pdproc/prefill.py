@@ -22,6 +22,7 @@ import aiohttp
 from opentelemetry.trace import Span, SpanKind
 
 from pdproc.connectors import Legs
+from pdproc.gateway_fields import GATEWAY_HEADERS
 from pdproc.metrics import Metrics
 from pdproc.pod_http import discard, locally_exhausted, read_at_most
 from pdproc.targets import PREFILL_HEADER, HostPort
@@ -69,6 +70,7 @@ _DROP_HEADERS = frozenset(
         "expect",
         "accept-encoding",
         PREFILL_HEADER,
+        *GATEWAY_HEADERS,
     }
 )
 

@@ -27,7 +27,7 @@ from pdproc import envoy_messages as msg
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.breaker import POD_DOWN
 from pdproc.config import BootstrapPolicy
-from pdproc.connectors import ClientRequest, Concurrent, EngineMap, Legs, OnFailure
+from pdproc.connectors import AnswerError, ClientRequest, Concurrent, EngineMap, Legs, OnFailure
 from pdproc.connectors.mooncake import BootstrapError
 from pdproc.errors import ErrorKind, ErrorReply
 from pdproc.prefill import EXHAUSTED, PrefillJob, PrefillOutcome
@@ -60,6 +60,9 @@ UNFINISHED = "unfinished_body"
 ABANDONED = "abandoned"
 # The same, with its prefill still running: pdproc cancelled it (nobody will use its KV).
 CANCELLED = "cancelled"
+# Outcome of a request whose prefill answered what the decode may not be given (NIXL: a side
+# channel outside the allow list, wrong types or sizes): the decode serves it alone.
+REFUSED_ANSWER = "prefill_answer_refused"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,13 +91,17 @@ class RequestContext:
         span: Span | None,
         *,
         single_message: bool,
+        id_replaced: bool = False,
     ) -> None:
         self.service = service
         self.headers = headers
         self.path = path
         self.span = span
         self.single_message = single_message
+        # pdproc's id for the request (pdproc.request_ids): the client's x-request-id, or one
+        # pdproc minted in place of an unfit value (`id_replaced`).
         self.request_id = headers.get("x-request-id", "")
+        self.id_replaced = id_replaced
         self.finished = False
 
     def finish(self, outcome: str) -> None:
@@ -105,6 +112,11 @@ class RequestContext:
         self.service.count(self.path, outcome)
         if self.span is not None and self.span.is_recording():
             self.span.set_attribute(ATTR_OUTCOME, outcome)
+
+    def held_request_id(self) -> str | None:
+        """The id to set on the decode leg: pdproc's, when it replaced the client's and
+        Envoy still holds the request headers (two-message mode)."""
+        return self.request_id if self.id_replaced and not self.single_message else None
 
     def log_fields(self, **more: Any) -> dict[str, Any]:
         return {"request_id": self.request_id, "path": self.path, **trace_fields(self.span), **more}
@@ -221,7 +233,7 @@ class DecodeOnly(_BodyChecks, PassThrough):
     def served_alone(self) -> msg.Response:
         """The client's own body goes on to the decode, marked as checked."""
         self.record()
-        return msg.CHECKED_REQUEST_BODY
+        return msg.checked_request_body(self.context.held_request_id())
 
     def record(self) -> None:
         """Count (and log, if it is a fallback) that the decode serves this request alone."""
@@ -426,7 +438,12 @@ class Disaggregated(_BodyChecks):
         return job
 
     def _decode(self, body: bytes) -> msg.Response:
-        return msg.body_response(body, content_length=not self.context.single_message)
+        # With the request headers still held, the decode gets the id the prefill got.
+        return msg.body_response(
+            body,
+            content_length=not self.context.single_message,
+            request_id=self.context.held_request_id(),
+        )
 
     def _deferred(self, job: PrefillJob, later: Awaitable[msg.Response]) -> Deferred:
         """An answer that waits for the prefill. The override asking Envoy to wait is sized
@@ -446,9 +463,14 @@ class Disaggregated(_BodyChecks):
         connector = self.context.service.connector
         if outcome.ok and outcome.answer is not None:
             try:
-                body = connector.decode_body(request, outcome.answer)
-            except BodyError as exc:
-                return self._alone(f"unusable prefill answer: {exc}")
+                body = connector.decode_body(
+                    request, outcome.answer, self._target, self.context.service.admits
+                )
+            except AnswerError as exc:
+                # The pod's answer is refused: the decode serves the request alone (NIXL's
+                # failure rule), counted apart from a failed prefill.
+                fail(self.context.span, str(exc))
+                return self._alone(f"prefill answer refused: {exc}", REFUSED_ANSWER)
             return self._decode(body)  # counted once the decode answers (response_headers)
         reply = prefill_error(outcome)
         if connector.on_failure(outcome.status) is OnFailure.PASS_THROUGH:
@@ -458,8 +480,8 @@ class Disaggregated(_BodyChecks):
             )
         return self._alone(reply.message)
 
-    def _alone(self, reason: str) -> msg.Response:
-        return DecodeOnly(self.context, "decode_only", reason).served_alone()
+    def _alone(self, reason: str, outcome: str = "decode_only") -> msg.Response:
+        return DecodeOnly(self.context, outcome, reason).served_alone()
 
     def _without_prefill(self, reply: ErrorReply) -> Answer:
         """No prefill can serve this request: reject it, or let the decode do it alone."""

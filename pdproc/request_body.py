@@ -13,7 +13,8 @@ from typing import Any
 
 import orjson
 
-KV_PARAMS = "kv_transfer_params"
+from pdproc.gateway_fields import GATEWAY_FIELDS
+from pdproc.gateway_fields import KV_PARAMS as KV_PARAMS
 
 
 class BodyError(ValueError):
@@ -36,10 +37,10 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise BodyError(f"invalid JSON body: {exc}") from None
     if not isinstance(data, dict):
         raise BodyError(f"request body must be a JSON object, not {type(data).__name__}")
-    if KV_PARAMS in data:
-        # Only the gateway may point a decode pod at a KV source: a client's own params
-        # could aim it at any address.
-        raise BodyError(f"{KV_PARAMS} is set by the gateway, not by clients")
+    for name in GATEWAY_FIELDS:
+        if name in data:
+            # Only the gateway may point a decode pod at a KV source.
+            raise BodyError(f"{name} is set by the gateway, not by clients")
     if _has_huge_float(data):
         _check_numbers(raw)
     return data
@@ -88,6 +89,12 @@ def dumps(data: Mapping[str, Any]) -> bytes:
         raise BodyError(f"request body cannot be forwarded: {exc}") from None
 
 
+def members(fields: Mapping[str, Any]) -> bytes:
+    """Top-level fields as JSON object members: `"a":1,"b":2`, without braces; BodyError
+    when a value cannot be serialised (nested too deeply)."""
+    return dumps(fields)[1:-1]
+
+
 def with_field(raw: bytes, parsed: Mapping[str, Any], key: str, value: Any) -> bytes:
     """The client's bytes with one top-level field appended (see `with_fields`)."""
     return with_fields(raw, parsed, {key: value})
@@ -103,11 +110,6 @@ def with_fields(raw: bytes, parsed: Mapping[str, Any], fields: Mapping[str, Any]
     added = members(fields)
     tail = (b"," if parsed and added else b"") + added + b"}"
     return b"".join((memoryview(raw)[:cut], tail))
-
-
-def members(fields: Mapping[str, Any]) -> bytes:
-    """Top-level fields as JSON object members: `"a":1,"b":2`, without braces."""
-    return orjson.dumps(fields)[1:-1]
 
 
 def closing_brace(raw: bytes) -> int:

@@ -21,7 +21,7 @@ from pdproc.budget import ByteBudget
 from pdproc.config import BootstrapPolicy, Settings
 from pdproc.connectors import Connector
 from pdproc.discovery import DnsPool
-from pdproc.errors import ErrorKind, ErrorReply
+from pdproc.errors import ErrorKind, ErrorReply, shown
 from pdproc.metrics import Metrics
 from pdproc.picker import BadRequest, Chosen, Forbidden, NoTarget, Unavailable, pick_target
 from pdproc.prefill import NOT_THE_POD, PrefillJob, PrefillLauncher, PrefillOutcome
@@ -34,11 +34,13 @@ from pdproc.processors import (
     RequestContext,
     RequestProcessor,
 )
+from pdproc.request_ids import is_plain, new_request_id
 from pdproc.stream import ServicerContext, Stream
 from pdproc.targets import PREFILL_HEADER, HostPort
 from pdproc.telemetry import Tracing
 
 log = logging.getLogger(__name__)
+REQUEST_ID = "x-request-id"
 
 
 class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -93,8 +95,22 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """What this request is, decided from its headers."""
         path = headers.get(":path", "").split("?", 1)[0]
         method = headers.get(":method", "")
+        client_id = headers.get(REQUEST_ID)
+        replaced = bool(client_id) and not is_plain(client_id or "")
+        if replaced:
+            # Logs, spans and the prefill leg never carry the client's raw value.
+            headers[REQUEST_ID] = new_request_id()
+            log.info(
+                "client x-request-id replaced: not a plain token of at most 128 characters",
+                extra={
+                    "request_id": headers[REQUEST_ID],
+                    "client_request_id": shown(client_id or ""),
+                },
+            )
         span = self.tracing.request_span(headers, path, method, call_metadata)
-        context = RequestContext(self, headers, path, span, single_message=single_message)
+        context = RequestContext(
+            self, headers, path, span, single_message=single_message, id_replaced=replaced
+        )
         if end_of_stream or method != "POST" or path not in self.settings.pd_path:
             return PassThrough(context)
         if self.draining:
@@ -146,6 +162,13 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if self.dns_pool is None:
             return self.settings.prefill
         return self.settings.prefill + self.dns_pool.members
+
+    def admits(self, address: HostPort) -> bool:
+        """Whether the gateway lets `address` be a KV source a prefill pod names (NIXL's side
+        channel): the allow list admits it, or it is on a pool member's host."""
+        return self.settings.prefill_allow.allows(address) or any(
+            member.host == address.host for member in self.pool()
+        )
 
     def is_pool_member(self, target: HostPort) -> bool:
         return target in self._static_pool or (

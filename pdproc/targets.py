@@ -92,7 +92,8 @@ def target_from_header(values: Iterable[str]) -> HostPort | None:
     """The prefill target named by `x-prefiller-host-port`, or None when it names none.
 
     Like llm-d's sidecar: a comma list (in one or several header values) takes its first
-    non-empty entry; an empty header means "no disaggregation". A malformed entry raises.
+    non-empty entry; None when no entry names anything (the picker reads that as "no
+    disaggregation"). A malformed entry raises.
     """
     for value in values:
         for entry in value.split(","):

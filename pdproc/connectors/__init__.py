@@ -9,7 +9,7 @@ means for the client. The ext_proc stream does not know which connector it runs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
@@ -58,6 +58,11 @@ class Plan:
     facts: Mapping[str, str | int] = field(default_factory=dict)
 
 
+class AnswerError(ValueError):
+    """A prefill's answer that the decode may not be given (wrong shape, too large, or a KV
+    source outside what the gateway admits): the pod's fault, never the client's."""
+
+
 class OnFailure(Enum):
     """What a failed prefill means for the client."""
 
@@ -83,9 +88,16 @@ class Connector(Protocol):
         """Both legs (or the prefill leg alone); BodyError when the body cannot be carried."""
         ...
 
-    def decode_body(self, request: ClientRequest, prefill_answer: bytes) -> bytes:
-        """Sequential connectors: the decode leg from the prefill's answer; BodyError when
-        the answer cannot be used."""
+    def decode_body(
+        self,
+        request: ClientRequest,
+        prefill_answer: bytes,
+        target: HostPort,
+        admits: Callable[[HostPort], bool],
+    ) -> bytes:
+        """Sequential connectors: the decode leg from the prefill pod `target`'s answer;
+        AnswerError when the answer cannot be used (`admits`: whether the gateway would let
+        an address be a KV source: the allow list and the pool)."""
         ...
 
     def on_failure(self, status: int | None) -> OnFailure:
@@ -106,9 +118,6 @@ class Concurrent:
     ) -> Plan:
         raise NotImplementedError
 
-    def check(self, request: ClientRequest) -> None:
-        """BodyError when the client's body cannot be carried (fields only the gateway sets)."""
-
     def prefill_body(self, request: ClientRequest, plan: Plan, decode_body: bytes | None) -> bytes:
         """The prefill leg (`decode_body`, when built, may be reused)."""
         raise NotImplementedError
@@ -125,7 +134,6 @@ class Concurrent:
     def build(self, request: ClientRequest, plan: Plan, *, decode: bool = True) -> Legs:
         """The legs of one request. Without `decode` the decode leg is left out: the body is
         streamed to the decode with `plan.decode_fields` spliced into its tail."""
-        self.check(request)
         decode_body = (
             with_fields(request.raw, request.parsed, plan.decode_fields) if decode else None
         )
@@ -137,7 +145,13 @@ class Concurrent:
             facts=plan.facts,
         )
 
-    def decode_body(self, request: ClientRequest, prefill_answer: bytes) -> bytes:
+    def decode_body(
+        self,
+        request: ClientRequest,
+        prefill_answer: bytes,
+        target: HostPort,
+        admits: Callable[[HostPort], bool],
+    ) -> bytes:
         raise NotImplementedError(f"{type(self).__name__} builds the decode leg up front")
 
     def on_failure(self, status: int | None) -> OnFailure:

@@ -7,16 +7,24 @@ host and port); the decode then gets the client's own request (stream, stream op
 token limits as the client sent them) with those params. A prefill that refuses the
 request (400-451) answers the client as it is; any other failure lets the decode serve the
 request alone.
+
+The prefill's answer is a pod's word, not the gateway's: the decode connects to whatever
+side channel it names. So only the fields vLLM's decode reads go on, each checked for type
+and size, and the side channel must be the prefill pod's own host or an address the allow
+list admits. Anything else is an `AnswerError`: the decode serves the request alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import ipaddress
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, TypeGuard
 
 import orjson
 
-from pdproc.connectors import ClientRequest, EngineMap, Legs, OnFailure
+from pdproc.connectors import AnswerError, ClientRequest, EngineMap, Legs, OnFailure
+from pdproc.errors import shown
 from pdproc.request_body import KV_PARAMS, BodyError, dumps, prime_single_token, with_field
 from pdproc.targets import HostPort
 
@@ -46,16 +54,87 @@ def prefill_body(path: str, parsed: Mapping[str, Any]) -> bytes:
     return dumps(data)
 
 
-def params_from_answer(answer: bytes) -> dict[str, Any]:
-    """The `kv_transfer_params` of a prefill's answer, or BodyError when there are none."""
+# Bounds on a prefill's kv_transfer_params. A real answer names a few hundred to a few
+# thousand blocks (one per 16 tokens, per KV cache group) in a few kilobytes.
+MAX_ID_CHARS = 256
+MAX_BLOCK_IDS = 262_144
+MAX_BLOCK_GROUPS = 64
+MAX_EXTRA_FIELDS = 32
+MAX_EXTRA_STRING_CHARS = 256
+_HOST = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})")
+_REQUIRED_IDS = ("remote_engine_id", "remote_request_id")
+_CHECKED = frozenset(
+    {"do_remote_prefill", "do_remote_decode", "remote_host", "remote_port", "remote_block_ids"}
+    | set(_REQUIRED_IDS)
+)
+
+Admits = Callable[[HostPort], bool]
+
+
+def _plain_int(value: object) -> TypeGuard[int]:
+    return type(value) is int and 0 <= value < 2**63
+
+
+def _block_ids(value: object) -> bool:
+    """vLLM sends one list of block ids per KV cache group (0.32); older releases and the
+    llm-d contract a flat list. Either, bounded, of non-negative integers."""
+    if not isinstance(value, list) or not value:
+        return False
+    if all(_plain_int(b) for b in value):
+        return len(value) <= MAX_BLOCK_IDS
+    if len(value) > MAX_BLOCK_GROUPS or not all(isinstance(g, list) for g in value):
+        return False
+    total = sum(len(g) for g in value)
+    return 0 < total <= MAX_BLOCK_IDS and all(_plain_int(b) for g in value for b in g)
+
+
+def side_channel(host: object, port: object) -> HostPort:
+    """The address the decode would connect to, or AnswerError when it is not one."""
+    if not isinstance(host, str) or not 0 < len(host) <= 255 or "%" in host:
+        raise AnswerError("remote_host is not a host name")
+    if not _plain_int(port) or not 0 < port < 65536:
+        raise AnswerError("remote_port is not a port number")
+    try:
+        return HostPort(str(ipaddress.ip_address(host.strip("[]"))), port)
+    except ValueError:
+        if not _HOST.fullmatch(host):
+            raise AnswerError(f"remote_host {shown(host)} is not a host name") from None
+        return HostPort(host.lower(), port)
+
+
+def params_from_answer(answer: bytes, target: HostPort, admits: Admits) -> dict[str, Any]:
+    """The `kv_transfer_params` the decode gets from a prefill's answer, or AnswerError.
+
+    Kept: the fields vLLM's decode reads, checked; other vLLM fields (tp_size, remote_num_tokens
+    ...) only as plain scalars. The side channel (remote_host, remote_port) must be on the
+    prefill pod's own host, or admitted by `admits` (the allow list and the pool)."""
     try:
         data = orjson.loads(answer)
     except orjson.JSONDecodeError:
-        raise BodyError("the prefill's answer is not JSON") from None
+        raise AnswerError("the prefill's answer is not JSON") from None
     params = data.get(KV_PARAMS) if isinstance(data, dict) else None
-    if not isinstance(params, dict) or not params.get("remote_engine_id"):
-        raise BodyError("the prefill's answer has no kv_transfer_params")
-    return params
+    if not isinstance(params, dict):
+        raise AnswerError("the prefill's answer has no kv_transfer_params")
+    for name in _REQUIRED_IDS:
+        value = params.get(name)
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
+            raise AnswerError(f"kv_transfer_params.{name} is not an id")
+    if params.get("do_remote_prefill") is not True or params.get("do_remote_decode", False):
+        raise AnswerError("kv_transfer_params do not ask the decode to pull KV")
+    if not _block_ids(params.get("remote_block_ids")):
+        raise AnswerError("kv_transfer_params.remote_block_ids is not a list of block ids")
+    channel = side_channel(params.get("remote_host"), params.get("remote_port"))
+    if channel.host != target.host and not admits(channel):
+        raise AnswerError(f"the prefill names a side channel it may not use: {channel}")
+    extras = {k: v for k, v in params.items() if k not in _CHECKED}
+    if len(extras) > MAX_EXTRA_FIELDS:
+        raise AnswerError("kv_transfer_params has too many fields")
+    for key, value in extras.items():
+        scalar = value is None or isinstance(value, bool | int | float)
+        short = isinstance(value, str) and len(value) <= MAX_EXTRA_STRING_CHARS
+        if len(key) > 64 or not (scalar or short):
+            raise AnswerError(f"kv_transfer_params.{shown(key)} is not a plain value")
+    return {**{k: params[k] for k in _CHECKED if k in params}, **extras}
 
 
 class NixlV2:
@@ -77,9 +156,14 @@ class NixlV2:
             prefill_headers=headers,
         )
 
-    def decode_body(self, request: ClientRequest, prefill_answer: bytes) -> bytes:
-        params = params_from_answer(prefill_answer)
-        return with_field(request.raw, request.parsed, KV_PARAMS, params)
+    def decode_body(
+        self, request: ClientRequest, prefill_answer: bytes, target: HostPort, admits: Admits
+    ) -> bytes:
+        params = params_from_answer(prefill_answer, target, admits)
+        try:
+            return with_field(request.raw, request.parsed, KV_PARAMS, params)
+        except BodyError as exc:  # checked above; kept as the pod's fault all the same
+            raise AnswerError(str(exc)) from None
 
     def on_failure(self, status: int | None) -> OnFailure:
         if status is not None and 400 <= status <= 451:

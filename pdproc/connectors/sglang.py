@@ -3,7 +3,8 @@
 The decode learns where the prefill pod's bootstrap server is (`bootstrap_host`,
 `bootstrap_port`) and which rendezvous to wait in (`bootstrap_room`, a random integer below
 2**63); the prefill gets exactly the same body and meets it there. SGLang's prefill server
-needs no priming: it computes the prompt and hands the KV over on its own.
+needs no priming: it computes the prompt and hands the KV over on its own. A client's own
+bootstrap fields never get this far: `request_body.parse_body` refuses them on every path.
 """
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ import secrets
 from collections.abc import Mapping
 
 from pdproc.connectors import ClientRequest, Concurrent, EngineMap, Plan
-from pdproc.request_body import BodyError, with_fields
+from pdproc.request_body import with_fields
 from pdproc.targets import HostPort
-
-BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 def new_room() -> int:
@@ -42,11 +41,6 @@ class SGLang(Concurrent):
             prefill_headers={},
             facts={"bootstrap_room": room},
         )
-
-    def check(self, request: ClientRequest) -> None:
-        clash = [name for name in BOOTSTRAP_FIELDS if name in request.parsed]
-        if clash:
-            raise BodyError(f"{clash[0]} is set by the gateway, not by clients")
 
     def prefill_body(self, request: ClientRequest, plan: Plan, decode_body: bytes | None) -> bytes:
         # The prefill meets the decode in the same room: it gets the same body.

@@ -1,10 +1,12 @@
--- pdproc kv guard: an Envoy Lua filter placed right after the ext_proc filter on the P/D
--- routes. Only the gateway may put kv_transfer_params into a decode request (they tell the
--- decode pod where to pull KV from, so a client's own would aim it at any address). pdproc
--- refuses a client's params itself and marks every body it checked with the dynamic metadata
--- pdproc.body_checked = true. When that mark is missing (pdproc down, timed out or failed
--- open, or a request pdproc let through unchecked), this guard refuses, with a 400, any body
--- whose top-level JSON object has the key kv_transfer_params, and any body it cannot verify.
+-- pdproc kv guard: an Envoy Lua filter placed right after the ext_proc filter on every route
+-- that reaches a pod. Only the gateway may put KV transfer fields into a request body: vLLM's
+-- kv_transfer_params and SGLang's bootstrap_host / bootstrap_port / bootstrap_room /
+-- bootstrap_pair_key / disagg_prefill_dp_rank tell a decode pod where to pull KV from, so a
+-- client's own would aim it at any address. pdproc refuses a client's fields itself and marks
+-- every body it checked with the dynamic metadata pdproc.body_checked = true. When that mark
+-- is missing (pdproc down, timed out or failed open, a request pdproc let through unchecked,
+-- or a route without pdproc), this guard refuses, with a 400, any body whose top-level JSON
+-- object has one of those keys, and any body it cannot verify.
 --
 -- Cost: when pdproc checked the body nothing is scanned or copied. Otherwise the body is
 -- copied into Lua once and its top level walked with string.find jumps, never a loop per
@@ -19,7 +21,17 @@
 
 local NAMESPACE = "pdproc"
 local CHECKED = "body_checked"
-local KV_KEY = "kv_transfer_params"
+-- Keep in step with pdproc.request_body.GATEWAY_FIELDS (a test compares them).
+local GATEWAY_FIELDS = {
+  kv_transfer_params = true,
+  bootstrap_host = true,
+  bootstrap_port = true,
+  bootstrap_room = true,
+  bootstrap_pair_key = true,
+  disagg_prefill_dp_rank = true,
+}
+local ESCAPED_KEY = "escaped key"
+local NOT_OBJECT = "not a JSON object"
 
 local find, sub, byte = string.find, string.sub, string.byte
 
@@ -98,49 +110,58 @@ end
 local function refusal(s)
   local _, p = find(s, "^[ \t\r\n]*{", 1)
   if p == nil then
-    return "not a JSON object"
+    return NOT_OBJECT
   end
   local pos = p + 1
   local _, e = find(s, "^[ \t\r\n]*}", pos)
   if e ~= nil then
-    return find(s, "^[ \t\r\n]*$", e + 1) == nil and "not a JSON object" or nil
+    return find(s, "^[ \t\r\n]*$", e + 1) == nil and NOT_OBJECT or nil
   end
   while true do
     local _, q = find(s, '^[ \t\r\n]*"', pos)
     if q == nil then
-      return "not a JSON object"
+      return NOT_OBJECT
     end
     local qe = string_end(s, q)
     if qe == nil then
-      return "not a JSON object"
+      return NOT_OBJECT
     end
     local key = sub(s, q + 1, qe - 1)
-    if key == KV_KEY or find(key, "\\", 1, true) ~= nil then
-      return KV_KEY
+    if GATEWAY_FIELDS[key] then
+      return key
+    end
+    if find(key, "\\", 1, true) ~= nil then
+      return ESCAPED_KEY
     end
     local _, colon = find(s, "^[ \t\r\n]*:[ \t\r\n]*", qe + 1)
     if colon == nil then
-      return "not a JSON object"
+      return NOT_OBJECT
     end
     local ve = value_end(s, colon + 1)
     if ve == nil then
-      return "not a JSON object"
+      return NOT_OBJECT
     end
     local _, sep = find(s, "^[ \t\r\n]*[,}]", ve + 1)
     if sep == nil then
-      return "not a JSON object"
+      return NOT_OBJECT
     end
     if byte(s, sep) == RBRACE then
-      return find(s, "^[ \t\r\n]*$", sep + 1) == nil and "not a JSON object" or nil
+      return find(s, "^[ \t\r\n]*$", sep + 1) == nil and NOT_OBJECT or nil
     end
     pos = sep + 1
   end
 end
 
 local MESSAGES = {
-  [KV_KEY] = "kv_transfer_params is set by the gateway, not by clients",
-  ["not a JSON object"] = "the request body must be a JSON object",
+  [ESCAPED_KEY] = "top-level keys must be written without backslash escapes "
+    .. "(one could spell a field only the gateway sets)",
+  [NOT_OBJECT] = "the request body must be a JSON object",
 }
+
+local function message(why)
+  -- why is a gateway field's name (plain ASCII, safe in JSON) or a MESSAGES key.
+  return MESSAGES[why] or (why .. " is set by the gateway, not by clients")
+end
 
 -- What the guard did, for the access log (%DYNAMIC_METADATA(pdproc_kv_guard:verdict)%):
 -- "pdproc" (pdproc had checked the body when the headers arrived), "pdproc_after_body" (single-
@@ -151,7 +172,7 @@ local function verdict(handle, value)
 end
 
 local function refuse(handle, why)
-  local body = '{"object":"error","message":"' .. MESSAGES[why]
+  local body = '{"object":"error","message":"' .. message(why)
     .. '","type":"BadRequestError","param":"","code":400}'
   handle:respond({
     [":status"] = "400",

@@ -333,14 +333,36 @@ def unguarded(request: pytest.FixtureRequest) -> Iterator[Stack]:
 
 CANNOT_VERIFY = "the request body must be a JSON object"
 KV_REFUSED = "kv_transfer_params is set by the gateway, not by clients"
+ESCAPED_REFUSED = (
+    "top-level keys must be written without backslash escapes "
+    "(one could spell a field only the gateway sets)"
+)
+
+
+def gateway_only(field: str) -> str:
+    return f"{field} is set by the gateway, not by clients"
+
 
 # (body, the guard's message or None when the body must reach the decode unchanged)
 GUARD_CASES: dict[str, tuple[bytes, str | None]] = {
     "plain key": (b'{"model":"m","kv_transfer_params":{"do_remote_prefill":true}}', KV_REFUSED),
     "key first": (b'{"kv_transfer_params":null,"model":"m"}', KV_REFUSED),
     "white space around": (b' \n{ "model" : "m" ,\t"kv_transfer_params" :{} }\r\n', KV_REFUSED),
-    "escaped key": (b'{"model":"m","kv\\u005ftransfer_params":{}}', KV_REFUSED),
-    "any escaped key": (b'{"mo\\u0064el":"m"}', KV_REFUSED),
+    "escaped key": (b'{"model":"m","kv\\u005ftransfer_params":{}}', ESCAPED_REFUSED),
+    "any escaped key": (b'{"mo\\u0064el":"m"}', ESCAPED_REFUSED),
+    "sglang bootstrap_host": (
+        b'{"model":"m","bootstrap_host":"10.0.0.9"}',
+        gateway_only("bootstrap_host"),
+    ),
+    "sglang bootstrap_room": (b'{"bootstrap_room":7,"model":"m"}', gateway_only("bootstrap_room")),
+    "sglang pair key": (
+        b'{"model":"m","bootstrap_pair_key":"k"}',
+        gateway_only("bootstrap_pair_key"),
+    ),
+    "sglang prefill dp rank": (
+        b'{"model":"m","disagg_prefill_dp_rank":1}',
+        gateway_only("disagg_prefill_dp_rank"),
+    ),
     "duplicate key": (b'{"model":"m","kv_transfer_params":1,"kv_transfer_params":2}', KV_REFUSED),
     "after an escaped quote": (b'{"model":"a\\"","kv_transfer_params":1}', KV_REFUSED),
     "after an escaped backslash": (b'{"model":"a\\\\","kv_transfer_params":1}', KV_REFUSED),

@@ -18,6 +18,7 @@ import yaml
 from pdproc_sim.devstack import envoy_binary
 
 from pdproc.cli import main
+from pdproc.gateway_fields import GATEWAY_HEADERS
 
 REPO = Path(__file__).resolve().parents[2]
 PD_PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/inference/v1/generate"]
@@ -134,7 +135,10 @@ def test_processing_modes_are_the_ones_the_design_needs(capsys: pytest.CaptureFi
     assert ext_proc["allow_mode_override"] is True
     vhost = hcm["route_config"]["virtual_hosts"][0]
     assert vhost["request_body_buffer_limit"] >= 4 * 1024 * 1024
-    assert vhost["request_headers_to_remove"] == ["x-prefiller-host-port"]
+    assert vhost["request_headers_to_remove"] == [
+        "x-prefiller-host-port",
+        *GATEWAY_HEADERS,  # SGLang's x-override-bootstrap-*: never to a pod
+    ]
     paths = [r["match"].get("path") for r in vhost["routes"]]
     assert "/v1/chat/completions" in paths
     catch_all = vhost["routes"][-1]
@@ -171,15 +175,21 @@ def test_paths_are_normalised_before_routing(capsys: pytest.CaptureFixture[str])
         ("/v1/chat/completions%20", "pd-variant"),
         ("/v1/chat/completions.", "pd-variant"),
         ("/v1/RESPONSES/x", "pd-variant"),
-        ("/v1/chat/completionsx", "other"),
-        ("/v1/embeddings", "other"),
-        ("/v1/models", "other"),
-        ("/v1/chat", "other"),
+        ("/v1/chat/completionsx", "not-routed"),
+        ("/v1/embeddings", "not-routed"),
+        ("/v1/models", "open"),
+        ("/health", "open"),
+        ("/V1/models", "not-routed"),
+        ("/invocations", "not-routed"),
+        ("/v1/messages", "not-routed"),
+        ("/generate", "not-routed"),
+        ("/v1/chat", "not-routed"),
     ],
 )
 def test_route_for_each_spelling(capsys: pytest.CaptureFixture[str], path: str, route: str) -> None:
     """Route order as Envoy applies it (the variant regex read with Python's re, whose syntax
-    for these constructs is RE2's): exact P/D paths first, then their variants, then the rest."""
+    for these constructs is RE2's): exact P/D paths first, then their variants, the open
+    paths, and a 404 for the rest."""
     for entry in routes_of(yaml.safe_load(render(capsys, "--decode", "127.0.0.1:8200"))):
         match = entry["match"]
         if "path" in match:

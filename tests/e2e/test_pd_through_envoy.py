@@ -171,19 +171,29 @@ def test_non_streaming_completions(fresh: Stack) -> None:
     assert response.json()["usage"]["completion_tokens"] == 4
 
 
-def test_passthrough_paths_reach_decode_untouched(fresh: Stack) -> None:
+def test_open_paths_reach_the_decode_guarded_and_others_get_404(fresh: Stack) -> None:
     with httpx.Client(timeout=30) as client:
         models = client.get(fresh.envoy.url + "/v1/models", headers=target(fresh))
+        get_chat = client.get(fresh.envoy.url + "/v1/chat/completions", headers=target(fresh))
         embed = client.post(
             fresh.envoy.url + "/v1/embeddings",
-            json={"model": "m", "input": "x", "kv_transfer_params": {"a": 1}},
+            json={"model": "m", "input": "x"},
             headers=target(fresh),
         )
-        get_chat = client.get(fresh.envoy.url + "/v1/chat/completions", headers=target(fresh))
-    assert models.status_code == embed.status_code == get_chat.status_code == 200
-    decodes = served(fresh, "decode", 2)  # /v1/models is answered but not recorded
-    embed_record = next(r for r in decodes if r["path"] == "/v1/embeddings")
-    assert embed_record["body"] == {"model": "m", "input": "x", "kv_transfer_params": {"a": 1}}
+        smuggled = client.post(
+            fresh.envoy.url + "/v1/models",
+            json={"model": "m", "kv_transfer_params": {"a": 1}},
+            headers=target(fresh),
+        )
+    assert models.status_code == get_chat.status_code == 200
+    # Not a P/D path and not opened (--open-path): refused by the config's default deny.
+    assert embed.status_code == 404
+    assert embed.json()["type"] == "NotFoundError"
+    # An open path skips pdproc, not the kv guard.
+    assert smuggled.status_code == 400
+    assert "kv_transfer_params" in smuggled.json()["message"]
+    decodes = served(fresh, "decode", 1)  # /v1/models is answered but not recorded
+    assert [r["path"] for r in decodes] == ["/v1/chat/completions"]
     for record in decodes:
         assert "x-prefiller-host-port" not in record["headers"]
     assert records(fresh, "prefill") == []

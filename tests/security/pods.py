@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import orjson
 from aiohttp import web
 
+from pdproc.targets import HostPort
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 CHUNK = 64 * 1024
@@ -65,6 +67,10 @@ class HostilePod:
     def address(self) -> str:
         """The `x-prefiller-host-port` value naming this pod."""
         return f"127.0.0.1:{self.port}"
+
+    def host_port(self) -> HostPort:
+        """The pod as pdproc names a prefill target."""
+        return HostPort("127.0.0.1", self.port)
 
     @property
     def total_hits(self) -> int:

@@ -36,7 +36,19 @@ PRIMED = frozenset(
         KV,
     }
 )
-RESERVED = PRIMED | {"model", "messages"}
+# Top-level fields only the gateway sets (vLLM's and SGLang's KV transfer fields), written
+# here independently of pdproc.gateway_fields.
+GATEWAY_ONLY = frozenset(
+    {
+        KV,
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "bootstrap_pair_key",
+        "disagg_prefill_dp_rank",
+    }
+)
+RESERVED = PRIMED | GATEWAY_ONLY | {"model", "messages"}
 # Deepest nesting the prefill leg's serialiser (orjson) writes, counting the top object.
 MAX_DEPTH = 254
 INT_MIN, INT_MAX = -(2**63), 2**64 - 1
@@ -89,6 +101,12 @@ KV_KEYS = {
     "case": '"KV_TRANSFER_PARAMS"',
     "space": '"kv_transfer_params "',
     "nul": '"kv_transfer_params\\u0000"',
+    # SGLang's transfer fields: refused whichever connector runs.
+    "sglang-host": '"bootstrap_host"',
+    "sglang-room-escaped": '"bootstrap_roo\\u006d"',
+    "sglang-pair-key": '"bootstrap_pair_key"',
+    "sglang-dp-rank": '"disagg_prefill_dp_rank"',
+    "sglang-near-miss": '"bootstrap_hosts"',
 }
 # Wrappers nesting a value n deep ("[" * n or '{"a":' * n).
 DEPTHS = [0, 0, 0, 1, 10, 100, 200, 300, 1000, 1024, 1025, 3000]
@@ -329,7 +347,7 @@ def expected(raw: bytes) -> tuple[str, dict[str, Any] | None]:
         value = json.loads(raw)
     except ValueError:
         return "any", None
-    if not isinstance(value, dict) or KV in value:
+    if not isinstance(value, dict) or GATEWAY_ONLY & value.keys():
         return "400", None
     for item in _walk(value):
         if isinstance(item, int) and not isinstance(item, bool) and not INT_MIN <= item <= INT_MAX:

@@ -17,7 +17,7 @@ from pdproc.metrics import PREFILL_OUTCOMES, REQUEST_OUTCOMES
 
 SOURCE = Path(pdproc.__file__).parent
 # Calls whose string argument at this position is a request outcome.
-REQUEST_CALLS = {"finish": 0, "count": 1, "DecodeOnly": 1}
+REQUEST_CALLS = {"finish": 0, "count": 1, "DecodeOnly": 1, "_alone": 1}
 PREFILL_CALLS = {"settle": 0}
 
 
