@@ -21,23 +21,14 @@ from pdproc_sim.devstack import Process, running_stack, start_envoy, start_pdpro
 from pdproc.config import Settings
 from pdproc.server import RESTART_S
 
+from .conftest import one_stream_per_connection
+
 pytestmark = pytest.mark.e2e
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
 REPLICAS = 2
 WORKERS = 2
 MAX_REQUESTS = 400  # bound of each loop below
-
-
-def one_stream_per_connection(bootstrap: dict[str, Any]) -> None:
-    """Envoy opens a new connection to pdproc for each request, so the kernel spreads the
-    requests over every worker process (SO_REUSEPORT), not just the one holding Envoy's
-    single HTTP/2 connection."""
-    for cluster in bootstrap["static_resources"]["clusters"]:
-        if cluster["name"] == "pdproc":
-            options = cluster["typed_extension_protocol_options"]
-            http = options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
-            http["common_http_protocol_options"] = {"max_requests_per_connection": 1}
 
 
 def prefilled(processes: list[Process], since: float) -> list[dict[str, Any]]:
