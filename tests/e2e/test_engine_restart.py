@@ -10,18 +10,25 @@ more, which is what the test's idle spell stands for.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
-from pdproc_sim.devstack import Process, running_stack, start_envoy, start_pdproc
+from pdproc_sim.devstack import (
+    Process,
+    running_stack,
+    scrape_metric,
+    start_envoy,
+    start_pdproc,
+)
 
 from pdproc.config import Settings
 from pdproc.server import RESTART_S
 
-from .conftest import one_stream_per_connection
+from .conftest import eventually, one_stream_per_connection
 
 pytestmark = pytest.mark.e2e
 
@@ -29,6 +36,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_t
 REPLICAS = 2
 WORKERS = 2
 MAX_REQUESTS = 400  # bound of each loop below
+HELD = 6
 
 
 def prefilled(processes: list[Process], since: float) -> list[dict[str, Any]]:
@@ -48,7 +56,8 @@ def test_a_restarted_pod_costs_no_request_in_any_worker_or_replica(tmp_path: Pat
     """2 replicas x --workers 2, each process with its own engine-id cache and the default
     --engine-cache-ttl: every process pairs with the old ids before the restart, and after
     it (the pod idle longer than the ttl, as a real restart is) every request, in every
-    process, gets the new ids and its KV."""
+    process, gets the new ids and its KV. Then a restart with requests in flight: those
+    fail, loudly, and no other."""
     # A real restart takes RESTART_S and more; the test waits just past the ttl, the
     # shortest downtime the design has to hold for.
     downtime = Settings().engine_cache_ttl + 0.5
@@ -59,7 +68,9 @@ def test_a_restarted_pod_costs_no_request_in_any_worker_or_replica(tmp_path: Pat
         workdir=tmp_path,
     ) as st:
         replicas = [st.pdproc]
-        second, second_addr, _ = start_pdproc(tmp_path, st.pdproc_args, name="pdproc-2")
+        second, second_addr, second_metrics = start_pdproc(
+            tmp_path, st.pdproc_args, name="pdproc-2"
+        )
         st.extra.append(second)
         replicas.append(second)
         envoy = start_envoy(
@@ -100,3 +111,33 @@ def test_a_restarted_pod_costs_no_request_in_any_worker_or_replica(tmp_path: Pat
         decodes = st.sim_get("decode", "/sim/stats")
         assert decodes["kv_failures"] == {}
         assert decodes["kv_ok"] == len(after)
+
+        # A restart with requests in flight: exactly those fail, with pdproc's 502 (their
+        # prefill failed, so their decode was aborted, not left waiting), counted.
+        def post() -> httpx.Response:
+            url = envoy.url + "/v1/chat/completions"
+            return httpx.post(url, json=CHAT, headers=target, timeout=60)
+
+        def failed() -> float:
+            return sum(
+                scrape_metric(metrics, "pdproc_requests_total", outcome="prefill_failed")
+                for metrics in (st.metrics_addr, second_metrics)
+            )
+
+        st.sim_post("prefill", "/sim/faults", {"prefill_hang": True})
+        with ThreadPoolExecutor(HELD) as pool:
+            held = [pool.submit(post) for _ in range(HELD)]
+            eventually(lambda: st.sim_get("prefill", "/sim/stats")["in_flight"] == HELD)
+            st.sim_post("prefill", "/sim/restart")
+            st.sim_post("prefill", "/sim/faults", {"clear": True})
+            answers = [answer.result() for answer in held]
+        assert [answer.status_code for answer in answers] == [502] * HELD
+        assert {answer.headers["x-pdproc-error"] for answer in answers} == {"prefill_failed"}
+        assert failed() == HELD
+        time.sleep(downtime)
+        since = time.time()
+        serve_until_every_process_served(since)
+        assert {line["engine_id"] for line in prefilled(replicas, since)} <= set(
+            st.sim_get("prefill", "/sim/stats")["engine_ids"].values()
+        )
+        assert failed() == HELD
