@@ -2,10 +2,19 @@
 
 Python runs one request at a time per process; the kernel spreads Envoy's HTTP/2 connections
 over the processes bound to the port (SO_REUSEPORT, set by `server.py`), and each process is
-a full, independent pdproc (its own engine-id cache, as separate replicas would be). Metrics
-are aggregated across the processes with prometheus_client's multiprocess mode, so any
-process answers `/metrics` for all of them. The parent only supervises: it restarts a worker
-that dies and forwards SIGTERM/SIGINT for a graceful drain.
+a full, independent pdproc, as separate replicas would be:
+
+- its engine-id cache is true on its own (a map is never used past its age bound:
+  bootstrap.py), so nothing needs sharing;
+- its breakers learn about a dead pod from its own requests: a dead pod costs each process
+  one failed request (and one probe per cooldown) instead of one in all, a bounded price
+  that sharing state on every request would cost more than;
+- the totals a pdproc promises (--max-inflight-bytes, --max-prefill-connections) are split
+  between the processes, so they stay totals.
+
+Metrics are aggregated across the processes with prometheus_client's multiprocess mode, so
+any process answers `/metrics` for all of them (metrics.py). The parent only supervises: it
+restarts a worker that dies and forwards SIGTERM/SIGINT for a graceful drain.
 """
 
 from __future__ import annotations
@@ -24,10 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from pdproc.config import Settings
+from pdproc.metrics import MULTIPROC_ENV
 
 log = logging.getLogger(__name__)
-
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def worker_count(settings: Settings) -> int:
@@ -87,7 +95,7 @@ def run_workers(settings: Settings) -> int:
     stopping: list[int] = []
 
     def start(index: int) -> BaseProcess:
-        process = context.Process(target=_worker, args=(settings,), name=f"pdproc-worker-{index}")
+        process = context.Process(target=_worker, args=(each,), name=f"pdproc-worker-{index}")
         process.start()
         return process
 
@@ -97,7 +105,9 @@ def run_workers(settings: Settings) -> int:
             if process.pid is not None and process.is_alive():
                 os.kill(process.pid, signal.SIGTERM)
 
-    workers = [start(i) for i in range(worker_count(settings))]
+    count = worker_count(settings)
+    each = worker_settings(settings, count)
+    workers = [start(i) for i in range(count)]
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     log.info("pdproc workers started", extra={"workers": [p.pid for p in workers]})
@@ -127,8 +137,17 @@ def _mark_dead(process: BaseProcess) -> None:
         multiprocess.mark_process_dead(process.pid)  # type: ignore[no-untyped-call]
 
 
+def worker_settings(settings: Settings, count: int) -> Settings:
+    """One worker's share of `settings`: one process, and its part of the pdproc's totals."""
+    return replace(
+        settings,
+        workers=1,
+        max_inflight_bytes=max(1, settings.max_inflight_bytes // count),
+        max_prefill_connections=max(1, settings.max_prefill_connections // count),
+    )
+
+
 def _worker(settings: Settings) -> None:
-    settings = replace(settings, workers=1)
     from pdproc.logs import setup_logging
     from pdproc.server import run
     from pdproc.telemetry import provider_from_env

@@ -10,7 +10,7 @@ import pytest
 
 from pdproc.config import Settings
 from pdproc.targets import HostPort
-from pdproc.workers import cpus_from_cpu_max, usable_cpus, worker_count
+from pdproc.workers import cpus_from_cpu_max, usable_cpus, worker_count, worker_settings
 
 
 @pytest.mark.parametrize(
@@ -61,3 +61,12 @@ def test_worker_count() -> None:
     # Port 0: each process would pick its own port; one process.
     assert worker_count(replace(fixed, workers=0, listen=HostPort("127.0.0.1", 0))) == 1
     assert Settings().workers == 0
+
+
+def test_each_worker_gets_its_share_of_the_totals() -> None:
+    settings = replace(Settings(), max_inflight_bytes=1000, max_prefill_connections=1024)
+    each = worker_settings(settings, 3)
+    assert (each.workers, each.max_inflight_bytes, each.max_prefill_connections) == (1, 333, 341)
+    assert worker_settings(settings, 1).max_inflight_bytes == 1000
+    tiny = worker_settings(replace(settings, max_inflight_bytes=1, max_prefill_connections=1), 4)
+    assert (tiny.max_inflight_bytes, tiny.max_prefill_connections) == (1, 1)
