@@ -17,7 +17,8 @@ SIM := $(wildcard sim/pyproject.toml)
 PYTEST_ARGS ?= tests
 
 .PHONY: install dev demo test lint protos protos-check dist test-venv test-installed \
-	test-oldest-envoy test-envoy-matrix unit bench bench-smoke envoy-config clean
+	test-oldest-envoy test-envoy-matrix unit bench bench-smoke envoy-config clean \
+	image print-image test-compose
 
 $(STAMP): pyproject.toml $(SIM)
 	python3 -m venv $(VENV)
@@ -95,6 +96,32 @@ test-oldest-envoy:
 test-envoy-matrix: test-venv
 	@test -f scripts/envoy-matrix.sh || { echo "scripts/envoy-matrix.sh is not in this checkout yet" >&2; exit 2; }
 	$(INSTALLED_ENV) bash scripts/envoy-matrix.sh
+
+# The container image (docs/container.md), built offline: the wheels of $(DIST) (made when
+# missing) and a wheelhouse of every dependency (build/wheelhouse, the one download), on
+# PYTHON_IMAGE. Tagged as deploy/kubernetes/base references it; push it to your registry
+# with IMAGE=registry.example.com/you/pdproc:tag and `docker push`.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= ghcr.io/pdproc/pdproc:$(VERSION)
+PYTHON_IMAGE ?= python:3.11-slim
+DOCKER ?= docker
+WHEELHOUSE_PYTHON ?= $(PY)
+
+image: $(STAMP)
+	@test -n "$$(ls $(DIST)/pdproc-*.whl 2>/dev/null)" || $(MAKE) --no-print-directory dist
+	PYTHON=$(WHEELHOUSE_PYTHON) bash scripts/compose/wheelhouse.sh $(DIST) build/wheelhouse
+	$(DOCKER) build --build-arg PYTHON_IMAGE=$(PYTHON_IMAGE) \
+	  --build-arg WHEELHOUSE=build/wheelhouse -t $(IMAGE) .
+
+print-image:
+	@echo $(IMAGE)
+
+# docker-compose.yaml for real (scripts/compose/run.sh): its own Docker engine (installed
+# from Debian when missing), images built offline from $(DIST)'s wheels, the stack up,
+# tests/compose through the containers, then everything torn down, pass or fail.
+test-compose: $(STAMP)
+	@test -n "$$(ls $(DIST)/pdproc-*.whl 2>/dev/null)" || $(MAKE) --no-print-directory dist
+	DIST=$(DIST) bash scripts/compose/run.sh
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit tests/integration

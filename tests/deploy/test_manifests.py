@@ -324,6 +324,28 @@ MUTATIONS = [
         "envoyproxy/envoy:v1.30-latest",
         "envoyproxy/envoy:v1.40",
     ),
+    # The bug of issue 20: the simulator built pdproc's default stage under pdproc's image.
+    Mutation(
+        "compose-sim-default-stage",
+        "docker-compose.yaml",
+        "      target: sim\n",
+        "",
+        "sim must build the Dockerfile's sim stage",
+    ),
+    Mutation(
+        "compose-sim-shares-pdproc-image",
+        "docker-compose.yaml",
+        "${PDPROC_SIM_IMAGE:-pdproc-sim:dev}",
+        "${PDPROC_SIM_IMAGE:-pdproc:dev}",
+        "sim and pdproc share the image pdproc:dev",
+    ),
+    Mutation(
+        "compose-top-level-name",
+        "docker-compose.yaml",
+        "\nservices:\n",
+        "\nname: pdproc\nservices:\n",
+        "top-level 'name': Compose v1",
+    ),
 ]
 
 
