@@ -19,18 +19,19 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
-WORDS = (
+TEXT = (
     "the prefill computes a prompt and the decode pulls its keys and values over the wire "
     "envoy asks pdproc which pod prefills each request then sends the decode its body "
     "a small model answers with random words because its weights are random numbers "
     "tell me a story about the sea the mountain the river and the city at night"
-).split()
+)
 
 
 def corpus() -> list[str]:
+    words = TEXT.split()
     lines = []
     for i in range(400):
-        lines.append(" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(12 + i % 9)))
+        lines.append(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(12 + i % 9)))
     lines += [str(n) for n in range(1000)]
     return lines
 
