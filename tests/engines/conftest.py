@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "tests/engines/" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if harness.MEASURED:
+        terminalreporter.section("measured on the real engines")
+        for line in harness.MEASURED:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

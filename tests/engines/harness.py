@@ -93,6 +93,14 @@ def cuda_runtime_dir() -> Path:
     return found[0]
 
 
+# What the suite measured (times of the bounded failure paths ...), printed at its end.
+MEASURED: list[str] = []
+
+
+def measured(line: str) -> None:
+    MEASURED.append(line)
+
+
 # Every engine process group started and not yet reaped: atexit kills what a crash of the
 # test process would otherwise leave behind (a NIXL engine spins a core while it lives).
 _LIVE_GROUPS: set[int] = set()

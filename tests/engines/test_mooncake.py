@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.engines import contract
 from tests.engines.front import (
     KV_SOURCE,
     Answer,
@@ -31,7 +32,7 @@ from tests.engines.front import (
     running_front,
     send,
 )
-from tests.engines.harness import Engine, http_json, running_pair
+from tests.engines.harness import Engine, http_json, measured, running_pair
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -141,8 +142,7 @@ def test_client_kv_transfer_params_refused(
         assert answer.status == 400
         assert answer.body["object"] == "error"
     assert (
-        decode.metric("vllm:request_success_total")
-        + prefill.metric("vllm:request_success_total")
+        decode.metric("vllm:request_success_total") + prefill.metric("vllm:request_success_total")
         == served
     )
 
@@ -166,8 +166,24 @@ def test_decode_waits_silently_for_an_unknown_transfer(pair: tuple[Engine, Engin
     eventually(lambda: decode_busy(decode) == 0, 60, "the decode drops the abandoned request")
 
 
+def test_simulator_keeps_the_real_contract(
+    pair: tuple[Engine, Engine], engines_workdir: Path
+) -> None:
+    """One scenario (a completion, a streamed chat) through Envoy and pdproc, to this pair
+    and to pdproc-sim, a recording proxy on each leg: the fields (names, nesting, nulls) and
+    statuses each leg sent and received are the same, so the simulator cannot drift."""
+    prefill, decode = pair
+    workdir = engines_workdir / "mooncake-contract"
+    real = contract.scenario_fields(prefill, decode, workdir / "real", "real")
+    sim = contract.sim_fields("mooncake", workdir / "sim")
+    found = contract.differences(real, sim)
+    for line in found:
+        measured(f"{prefill.connector} contract difference: {line}")
+    assert not found
+
+
 def test_prefill_killed_fast_clear_error(
-    pair: tuple[Engine, Engine], fronts: dict[str, Front], record_property: Any
+    pair: tuple[Engine, Engine], fronts: dict[str, Front]
 ) -> None:
     """The prefill dies (SIGKILL of its process group). Through the default-workers front
     only (the two-replica front must learn nothing of it: the restart test below needs its
@@ -187,8 +203,7 @@ def test_prefill_killed_fast_clear_error(
         assert answer.status == 502, answer.body
         assert answer.body["object"] == "error"
         assert answer.seconds < PREFILL_DOWN_BOUND_S
-        record_property(f"prefill_killed_{path}_{stream}_s", round(answer.seconds, 3))
-        print(f"mooncake prefill killed: {path} stream={stream}: 502 in {answer.seconds:.3f}s")
+        measured(f"mooncake, prefill killed, {path} stream={stream}: 502 in {answer.seconds:.3f} s")
     eventually(lambda: decode_busy(decode) == 0, PREFILL_DOWN_BOUND_S, "decode left idle")
 
 
@@ -198,7 +213,7 @@ def test_prefill_killed_fast_clear_error(
     reason="needs the stale-map fix (issue 19 item 11)",
 )
 def test_prefill_restart_with_new_engine_id_loses_no_request(
-    pair: tuple[Engine, Engine], fronts: dict[str, Front], record_property: Any
+    pair: tuple[Engine, Engine], fronts: dict[str, Front]
 ) -> None:
     """The prefill comes back with a new engine id. The two-replica front sent nothing while
     it was down (the worst case: no failure warned pdproc). RESTART_REQUESTS requests at once
@@ -206,7 +221,7 @@ def test_prefill_restart_with_new_engine_id_loses_no_request(
     to the decode's silent wait. Then both fronts serve P/D again."""
     prefill, _ = pair
     prefill.start()
-    record_property("prefill_restart_ready_s", round(prefill.wait_ready(), 1))
+    measured(f"mooncake, prefill restarted: ready again in {prefill.wait_ready():.0f} s")
     assert engine_ids(prefill).isdisjoint(pair[0].extra["ids_before_kill"])
     front = fronts["two-replicas"]
     path = "/v1/completions"
@@ -227,7 +242,10 @@ def test_prefill_restart_with_new_engine_id_loses_no_request(
         assert answer.status == 200 or (
             answer.status >= 500 and answer.body.get("object") == "error"
         ), answer.body
-    print("after restart:", [(a.status, round(a.seconds, 3)) for a in answers])
+    measured(
+        "mooncake, the requests right after the restart: "
+        + ", ".join(f"{a.status} in {a.seconds:.3f} s" for a in answers)
+    )
     # and P/D works again through both fronts
     for name, front_after in fronts.items():
         text = prompt(f"after-restart-{name}")

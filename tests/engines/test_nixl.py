@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.engines import contract
 from tests.engines.front import (
     KV_SOURCE,
     Front,
@@ -25,7 +26,7 @@ from tests.engines.front import (
     running_front,
     send,
 )
-from tests.engines.harness import Engine, http_json, running_pair
+from tests.engines.harness import Engine, http_json, measured, running_pair
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -149,8 +150,24 @@ def test_wrong_blocks_change_the_output(pair: tuple[Engine, Engine]) -> None:
     assert right["choices"][0]["text"] == local_text(prefill, path, texts[0], max_tokens=12)
 
 
+def test_simulator_keeps_the_real_contract(
+    pair: tuple[Engine, Engine], engines_workdir: Path
+) -> None:
+    """One scenario (a completion, a streamed chat) through Envoy and pdproc, to this pair
+    and to pdproc-sim, a recording proxy on each leg: the fields (names, nesting, nulls) and
+    statuses each leg sent and received are the same, so the simulator cannot drift."""
+    prefill, decode = pair
+    workdir = engines_workdir / "nixl-contract"
+    real = contract.scenario_fields(prefill, decode, workdir / "real", "real")
+    sim = contract.sim_fields("nixl", workdir / "sim")
+    found = contract.differences(real, sim)
+    for line in found:
+        measured(f"{prefill.connector} contract difference: {line}")
+    assert not found
+
+
 def test_prefill_killed_decode_serves_alone(
-    pair: tuple[Engine, Engine], fronts: dict[str, Front], record_property: object
+    pair: tuple[Engine, Engine], fronts: dict[str, Front]
 ) -> None:
     """Last in the module (it kills the prefill). NIXL's failure rule: the decode serves the
     request alone. Bound: the answer comes within PREFILL_DOWN_BOUND_S (vLLM would wait
@@ -166,6 +183,4 @@ def test_prefill_killed_decode_serves_alone(
         assert answer.status == 200, answer.body
         assert answer.seconds < PREFILL_DOWN_BOUND_S
         assert front.metric("pdproc_requests_total", outcome="decode_only") == before + 1
-        print(f"nixl prefill killed, {name}: 200 from the decode alone in {answer.seconds:.3f}s")
-        if callable(record_property):
-            record_property(f"prefill_killed_{name}_s", round(answer.seconds, 3))
+        measured(f"nixl, prefill killed, {name}: 200 (decode alone) in {answer.seconds:.3f} s")
