@@ -1,11 +1,19 @@
-"""Engine-id lookup: the prefill pod's Mooncake bootstrap server, queried once and cached.
+"""Engine-id lookup: the prefill pod's Mooncake bootstrap server, queried and cached.
 
 The bootstrap server listens on one port per pod, so its answer depends on the pod's host
-alone: the cache is keyed by host, whatever port a request names. An entry has a bounded
-lifetime and is dropped as soon as a prefill to that pod fails, because a restarted pod
-registers new engine ids and a stale one makes every decode wait for KV that will never
-come. Concurrent misses for one pod share one query. Answers are read up to a bound and
-redirects are not followed.
+alone: the cache is keyed by host, whatever port a request names.
+
+No pairing uses a map that may be stale. A restarted pod registers new engine ids, and a
+decode told an id that no longer exists waits silently for vLLM's abort timeout (480 s). A
+real engine takes 30 s and more to restart (loading the model), so a map whose query was
+sent less than `max_age_s` ago (kept well under that) names engines that are still the
+pod's, or that are gone with the pod itself, in which case its prefill fails loudly. An
+older map is never used: the request waits for a fresh query, and every request waiting
+for that query gets its answer. A map in use is re-queried in the background once older
+than `refresh_s`, so a busy pod's requests rarely wait. A failed prefill drops the pod's
+map at once (at most once a second). This holds in each process and each replica on its
+own: nothing needs to be shared. Concurrent queries for one pod are one query. Answers are
+read up to a bound and redirects are not followed.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import aiohttp
 from cachetools import TTLCache
@@ -38,42 +47,53 @@ class EngineMaps:
         *,
         port: int,
         timeout_s: float,
-        ttl_s: float,
+        max_age_s: float,
         size: int,
         refresh_s: float = 0.0,
         tracing: Tracing | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
         self._metrics = metrics
         self._port = port
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        # host -> (engine map, when it was fetched)
-        self._cache: TTLCache[str, tuple[EngineMap, float]] = TTLCache(maxsize=size, ttl=ttl_s)
+        self._max_age = max_age_s
+        self._clock = clock
+        # host -> (engine map, when its query was sent). The TTL only bounds memory: age is
+        # checked against the query's start, which the TTL (from the answer) outlives.
+        self._cache: TTLCache[str, tuple[EngineMap, float]] = TTLCache(
+            maxsize=size, ttl=max_age_s, timer=clock
+        )
         self._pending: dict[str, asyncio.Future[EngineMap]] = {}
         self._refresh_s = refresh_s
         self._tracing = tracing or Tracing(None)
         self._hit = metrics.engine_cache.labels("hit")
         self._miss = metrics.engine_cache.labels("miss")
 
+    def _usable(self, host: str) -> tuple[EngineMap, float] | None:
+        """The pod's map if it is young enough to pair with, and its age."""
+        entry = self._cache.get(host)
+        if entry is None:
+            return None
+        age = self._clock() - entry[1]
+        return (entry[0], age) if age < self._max_age else None
+
     def prefetch(self, target: HostPort, span: Span | None = None) -> None:
         """Start a lookup early (while Envoy is still sending the body) if one is needed."""
-        if target.host not in self._cache and target.host not in self._pending:
+        if target.host not in self._pending and self._usable(target.host) is None:
             self._start_query(target, span)
 
     async def get(self, target: HostPort, span: Span | None = None) -> EngineMap:
-        entry = self._cache.get(target.host)
-        if entry is not None:
+        usable = self._usable(target.host)
+        if usable is not None:
             self._hit.inc()
-            engines, fetched = entry
-            if (
-                self._refresh_s
-                and time.monotonic() - fetched > self._refresh_s
-                and target.host not in self._pending
-            ):
-                # Stale-while-revalidate: this request uses the cached ids, a background
-                # query picks up ids a pod registered after a restart we did not see fail.
+            engines, age = usable
+            if self._refresh_s and age > self._refresh_s and target.host not in self._pending:
+                # Still young enough to pair with; the answer replaces it for later requests.
                 self._start_query(target)
             return engines
+        # Missing or too old: wait for a query sent now (or a moment ago), whose answer
+        # every request waiting here gets.
         future = self._pending.get(target.host) or self._start_query(target, span)
         # shield: one waiter going away (its stream ended) must not cancel the shared query.
         return await asyncio.shield(future)
@@ -83,7 +103,7 @@ class EngineMaps:
         come in bursts (and a client can aim them at a pod's other ports), but one fresh
         map per second is enough to follow a restart."""
         entry = self._cache.get(target.host)
-        if entry is None or time.monotonic() - entry[1] < MIN_REFETCH_S:
+        if entry is None or self._clock() - entry[1] < MIN_REFETCH_S:
             return
         if self._cache.pop(target.host, None) is not None:
             self._metrics.engine_cache.labels("invalidation").inc()
@@ -124,6 +144,7 @@ class EngineMaps:
 
     async def _query(self, target: HostPort) -> EngineMap:
         url = target.url(self._port) + "/query"
+        sent = self._clock()
         started = time.perf_counter()
         try:
             async with self._client.get(
@@ -149,5 +170,5 @@ class EngineMaps:
         previous = self._cache.get(target.host)
         if previous is not None and previous[0] != engines:
             log.info("engine ids changed", extra={"prefill_target": str(target)})
-        self._cache[target.host] = (engines, time.monotonic())
+        self._cache[target.host] = (engines, sent)
         return engines

@@ -190,17 +190,21 @@ class Settings:
         extra_env=("SGLANG_BOOTSTRAP_PORT",),
     )
     bootstrap_timeout: float = _setting(5.0, "Bootstrap /query timeout, seconds.", _positive)
-    # Engine ids change when a prefill pod restarts; a bounded lifetime caps how long a stale
-    # id can be served even if no prefill fails to tell us.
+    # Engine ids change when a prefill pod restarts, which takes a real engine 30 s and more:
+    # a map queried less than this long ago cannot name an engine the pod replaced (see
+    # bootstrap.py). Older maps are re-queried before any request uses them.
     engine_cache_ttl: float = _setting(
-        60.0, "Lifetime of a cached engine-id map, seconds.", _positive
+        15.0,
+        "Age (from its query) past which a cached engine-id map is re-queried before it is "
+        "used, seconds. Keep it under a prefill pod's restart time (30 s and more for vLLM).",
+        _positive,
     )
-    # Older entries are still used but re-queried in the background, so an id change that
-    # no failure revealed (a pod restarted between two requests) is picked up quickly.
+    # Younger maps in use are re-queried in the background, so a busy pod's requests rarely
+    # wait for a query.
     engine_refresh: float = _setting(
         5.0,
-        "Age after which a cached engine-id map is re-queried in the background, seconds "
-        "(0: never).",
+        "Age after which a cached engine-id map in use is re-queried in the background, "
+        "seconds (0: never).",
         _non_negative,
     )
     prefill_timeout: float = _setting(60.0, "Prefill request timeout, seconds.", _positive)

@@ -4,6 +4,13 @@ Each processor instance owns its registry, so tests can run several in one inter
 Per-target series (prefills in flight, open breakers) exist only while there is something
 to report and at most `max_targets` of them: targets may come from a request header, so a
 client choosing ports must not grow the page.
+
+With several worker processes (--workers) the values travel through prometheus_client's
+per-process files, which keep every series ever written (it cannot remove one there). So a
+worker sets a finished series to 0 instead of removing it, names at most `max_targets`
+targets over its life (later ones share `other`), and the shared page (_WorkersPage) leaves
+out the zeros and folds whatever is past `max_targets` into `other`: the page reads as one
+process's would.
 """
 
 from __future__ import annotations
@@ -34,6 +41,10 @@ from pdproc.targets import HostPort
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 OTHER_TARGETS = "other"
+# Set (by workers.py) before any worker starts: prometheus_client picks its storage then.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+_IN_FLIGHT = "pdproc_prefills_in_flight"
+_BREAKER_OPEN = "pdproc_prefill_breaker_open"
 _BUILD, _BUILD_HELP = "pdproc_build", "pdproc version."
 
 _LATENCY_BUCKETS = (
@@ -60,17 +71,22 @@ _LATENCY_BUCKETS = (
 class Metrics:
     def exposition(self) -> bytes:
         """The /metrics page: this process's registry, or every worker's with --workers."""
-        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        directory = os.environ.get(MULTIPROC_ENV)
         if directory is None:
             return generate_latest(self.registry)
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_WorkersPage(directory, self.registry))
+        registry.register(_WorkersPage(directory, self.registry, self._max_targets))
         return generate_latest(registry)
 
     def __init__(self, registry: CollectorRegistry | None = None, max_targets: int = 1024) -> None:
         self.registry = registry or CollectorRegistry()
         self._max_targets = max_targets
         self._flight_labels: dict[HostPort, str] = {}
+        self._shared = MULTIPROC_ENV in os.environ
+        # Shared files only: the targets this process has written a series for, and the
+        # open breakers of those past the bound (counted under `other`).
+        self._named: set[str] = set()
+        self._open_others: set[HostPort] = set()
         r = self.registry
         # CPU and memory of this process (with --workers the shared page adds up the
         # workers': _WorkersPage).
@@ -97,7 +113,7 @@ class Metrics:
             registry=r,
         )
         self.prefills_in_flight = Gauge(
-            "pdproc_prefills_in_flight",
+            _IN_FLIGHT,
             "Prefills in flight per target.",
             ["target"],
             registry=r,
@@ -141,7 +157,7 @@ class Metrics:
             registry=r,
         )
         self.breaker_open = Gauge(
-            "pdproc_prefill_breaker_open",
+            _BREAKER_OPEN,
             "1 while the circuit breaker of a prefill target is open.",
             ["target"],
             registry=r,
@@ -160,31 +176,54 @@ class Metrics:
             multiprocess_mode="livesum",
         )
 
+    def _label(self, target: HostPort, in_use: int) -> str:
+        """The label of a target's series: its own while under the bound, else `other`."""
+        name = str(target)
+        if not self._shared:
+            return name if in_use < self._max_targets else OTHER_TARGETS
+        if name in self._named:
+            return name
+        if len(self._named) < self._max_targets:
+            self._named.add(name)
+            return name
+        return OTHER_TARGETS
+
     def prefill_started(self, target: HostPort) -> None:
         label = self._flight_labels.get(target)
         if label is None:
             # A series of its own while under the bound; past it, targets share one.
-            bounded = len(self._flight_labels) < self._max_targets
-            label = self._flight_labels[target] = str(target) if bounded else OTHER_TARGETS
+            label = self._flight_labels[target] = self._label(target, len(self._flight_labels))
         self.prefills_in_flight.labels(label).inc()
 
     def prefill_finished(self, target: HostPort, still_in_flight: int) -> None:
         label = self._flight_labels.get(target, OTHER_TARGETS)
         if still_in_flight == 0:
             self._flight_labels.pop(target, None)
-            if label != OTHER_TARGETS:
+            if label != OTHER_TARGETS and not self._shared:
                 # Nothing in flight: drop the series, so pods that are gone leave no trace.
                 self.prefills_in_flight.remove(label)
                 return
         self.prefills_in_flight.labels(label).dec()
 
     def breaker_changed(self, target: HostPort, is_open: bool) -> None:
-        """Breaker states are bounded by --max-targets already; a closed one has no series."""
+        """Breaker states are bounded by --max-targets already; a closed one has no series
+        (with shared files: a 0 the page leaves out)."""
+        if not self._shared:
+            if is_open:
+                self.breaker_open.labels(str(target)).set(1)
+            else:
+                with contextlib.suppress(KeyError):
+                    self.breaker_open.remove(str(target))
+            return
+        label = self._label(target, 0) if is_open else str(target)
+        if label in self._named:
+            self.breaker_open.labels(label).set(1 if is_open else 0)
+            return
         if is_open:
-            self.breaker_open.labels(str(target)).set(1)
+            self._open_others.add(target)
         else:
-            with contextlib.suppress(KeyError):
-                self.breaker_open.remove(str(target))
+            self._open_others.discard(target)
+        self.breaker_open.labels(OTHER_TARGETS).set(1 if self._open_others else 0)
 
 
 class _WorkersPage(Collector):
@@ -194,16 +233,22 @@ class _WorkersPage(Collector):
     info, the Python platform, and the process metrics of the live workers added up (CPU,
     memory and descriptors summed; the earliest start time)."""
 
-    def __init__(self, directory: str, own: CollectorRegistry) -> None:
+    def __init__(self, directory: str, own: CollectorRegistry, max_targets: int) -> None:
         self._directory = directory
         self._own = own
+        self._max_targets = max_targets
 
     def collect(self) -> Iterator[Metric]:
         seen: set[str] = set()
         multi = multiprocess.MultiProcessCollector(None, self._directory)  # type: ignore[no-untyped-call]
         for family in multi.collect():  # type: ignore[no-untyped-call]
             seen.add(family.name)
-            yield family
+            if family.name == _IN_FLIGHT:
+                yield bounded_per_target(family, self._max_targets, sum)
+            elif family.name == _BREAKER_OPEN:
+                yield bounded_per_target(family, self._max_targets, max)
+            else:
+                yield family
         for family in self._own.collect():
             if family.name.startswith(("pdproc_", "python_")) and family.name not in seen:
                 if family.name in (_BUILD, "python_info"):
@@ -211,6 +256,29 @@ class _WorkersPage(Collector):
                 else:
                     yield Metric(family.name, family.documentation, family.type)
         yield from _summed_process_metrics(_live_pids(self._directory))
+
+
+def bounded_per_target(
+    family: Metric, limit: int, combine: Callable[[list[float]], float]
+) -> Metric:
+    """A per-target family as one process would show it: no series for a target with
+    nothing to report (0), at most `limit` targets of their own (the largest values), the
+    rest combined into `other`."""
+    values: dict[str, float] = {}
+    for sample in family.samples:
+        target = sample.labels.get("target", OTHER_TARGETS)
+        if sample.value:
+            values[target] = combine([values.get(target, 0.0), sample.value])
+    named = sorted((t for t in values if t != OTHER_TARGETS), key=lambda t: (-values[t], t))
+    folded = [values[t] for t in named[limit:]]
+    if OTHER_TARGETS in values:
+        folded.append(values[OTHER_TARGETS])
+    bounded = Metric(family.name, family.documentation, family.type)
+    for target in named[:limit]:
+        bounded.add_sample(family.name, {"target": target}, values[target])
+    if folded:
+        bounded.add_sample(family.name, {"target": OTHER_TARGETS}, combine(folded))
+    return bounded
 
 
 def _live_pids(directory: str) -> list[int]:

@@ -36,6 +36,9 @@ from pdproc.telemetry import Tracing
 log = logging.getLogger(__name__)
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# The shortest restart of a real prefill engine (loading the model): engine-id maps younger
+# than this cannot be stale (bootstrap.py).
+RESTART_S = 30.0
 
 
 class Server:
@@ -69,7 +72,7 @@ class Server:
             self.metrics,
             port=s.mooncake_bootstrap_port,
             timeout_s=s.bootstrap_timeout,
-            ttl_s=s.engine_cache_ttl,
+            max_age_s=s.engine_cache_ttl,
             size=s.engine_cache_size,
             refresh_s=s.engine_refresh,
             tracing=self.tracing,
@@ -104,6 +107,14 @@ class Server:
             log.warning(
                 "no prefill pool and an empty --prefill-allow: every request is served by "
                 "the decode alone, and every x-prefiller-host-port target is refused"
+            )
+        if s.engine_cache_ttl >= RESTART_S:
+            log.warning(
+                "--engine-cache-ttl is not under a prefill engine's restart time (%g s): a "
+                "request may be paired with an engine id its restarted pod no longer has, "
+                "and its decode wait silently for vLLM's abort timeout",
+                RESTART_S,
+                extra={"engine_cache_ttl": s.engine_cache_ttl},
             )
         if s.drain_timeout < s.prefill_timeout + 1:
             log.warning(

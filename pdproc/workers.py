@@ -24,10 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from pdproc.config import Settings
+from pdproc.metrics import MULTIPROC_ENV
 
 log = logging.getLogger(__name__)
-
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def worker_count(settings: Settings) -> int:

@@ -44,6 +44,7 @@ from pdproc_sim.state import JsonObject, RoleState, TransferResult, fault_status
 # against a bootstrap that never answers at all.
 _KV_HTTP_MARGIN_S = 30.0
 _KV_CONNECT_TIMEOUT_S = 5.0
+_KNOWN_ENGINES_CAP = 100_000
 _KV_ROUTE = {MOONCAKE: "/sim/kv/", NIXLV2: "/sim/nixl/", SGLANG: "/sim/sglang/"}
 
 
@@ -107,6 +108,10 @@ class DecodeState(RoleState):
         self.sglang_errors = self.connector == SGLANG
         self.fault_status: int | None = None
         self.session: aiohttp.ClientSession | None = None
+        # Mooncake: the prefill engines this decode has looked up in a bootstrap server's
+        # /query (vLLM's `_remote_agents`): kept for the process's life, even once a restart
+        # replaced them.
+        self.known_engines: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._zero_counters()
 
     def _zero_counters(self) -> None:
@@ -177,6 +182,10 @@ class DecodeState(RoleState):
 
     async def _poll(self, ticket: DecodeTicket) -> TransferResult | KvFailure:
         assert self.session is not None, "decode app not started"
+        if ticket.connector == MOONCAKE and ticket.engine_id is not None:
+            unknown = await self._look_up_engine(ticket, ticket.engine_id)
+            if unknown is not None:
+                return unknown
         timeout_s = self.config.kv_wait_s
         url = _kv_url(ticket, timeout_s)
         if url is None:
@@ -191,6 +200,32 @@ class DecodeState(RoleState):
             detail = f"{ticket.url}: {type(exc).__name__}: {exc}"
             return KvFailure("bootstrap_unreachable", detail)
         return _parse_poll(ticket, status, payload)
+
+    async def _look_up_engine(self, ticket: DecodeTicket, engine_id: str) -> KvFailure | None:
+        """vLLM's decode asks the bootstrap server's /query about an engine it does not
+        know yet; one that is not there fails the request at once (kv_load_failure_policy
+        "fail"). A known one is not asked about again, even after its pod restarted."""
+        if engine_id in self.known_engines:
+            return None
+        assert self.session is not None
+        url = ticket.url + "/query"
+        timeout = aiohttp.ClientTimeout(total=_KV_CONNECT_TIMEOUT_S)
+        try:
+            async with self.session.get(url, timeout=timeout) as response:
+                answer: Any = orjson.loads(await response.read()) if response.ok else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError, orjson.JSONDecodeError) as exc:
+            detail = f"{ticket.url}: {type(exc).__name__}: {exc}"
+            return KvFailure("bootstrap_unreachable", detail)
+        ranks = answer.values() if isinstance(answer, dict) else ()
+        for rank in ranks:
+            if isinstance(rank, dict) and isinstance(rank.get("engine_id"), str):
+                self.known_engines[rank["engine_id"]] = None
+        while len(self.known_engines) > _KNOWN_ENGINES_CAP:
+            self.known_engines.popitem(last=False)
+        if engine_id in self.known_engines:
+            return None
+        detail = f"remote engine_id {engine_id} not found from bootstrap server {ticket.url}"
+        return KvFailure("unknown_engine", detail)
 
 
 def _kv_url(ticket: DecodeTicket, timeout_s: float) -> URL | None:

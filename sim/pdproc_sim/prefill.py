@@ -251,13 +251,17 @@ class PrefillState(RoleState):
         return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
 
     def restart(self) -> None:
-        """A pod restart: new engine ids, and every KV block (done or awaited) is gone."""
+        """A pod restart: new engine ids, and every KV block (done or awaited) is gone. A
+        Mooncake decode waiting for one is not told: it waits for its abort timeout."""
         self.generation += 1
         self.restarts += 1
         self.engine_ids = make_engine_ids(
             self.config.engine_id_prefix, self.generation, self.config.dp_ranks
         )
-        self.registry.forget_all("prefill_restarted")
+        if self.connector == MOONCAKE:
+            self.registry.orphan_all()
+        else:
+            self.registry.forget_all("prefill_restarted")
         self.arrivals.forget_all("prefill_restarted")
 
     def shutdown(self) -> None:
@@ -576,11 +580,14 @@ async def _mooncake_kv(state: PrefillState, request: web.Request) -> web.StreamR
     key = request.match_info["key"]
     engine_id = request.query.get("engine_id")
     timeout_s = _timeout(request, 480.0)
-    found = state.registry.lookup(key)
-    if found is None and engine_id and engine_id not in state.engine_ids:
-        # vLLM's decode looks the engine up in /query first and fails at once if it is gone.
-        return _kv_miss(key, "unknown_engine", engine_id)
-    outcome = found or await state.registry.wait(key, timeout_s)
+    if engine_id and engine_id not in state.engine_ids:
+        # The decode learnt this engine's side channel before the pod restarted (an engine
+        # it never knew it looks up in /query first, and fails at once: decode.py). vLLM's
+        # socket to the dead engine answers nothing: the decode waits for its abort timeout
+        # (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, 480 s, + 60 s), however the new engine fares.
+        outcome = await state.registry.wait(f"{engine_id}\n{key}", timeout_s)
+        return _kv_miss(key, outcome if isinstance(outcome, str) else "timeout", engine_id)
+    outcome = state.registry.lookup(key) or await state.registry.wait(key, timeout_s)
     if isinstance(outcome, str):
         return _kv_miss(key, outcome, engine_id)
     return httpd.json_response({"key": key, **outcome.to_json()})

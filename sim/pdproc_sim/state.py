@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -81,6 +82,8 @@ class TransferRegistry:
             collections.OrderedDict()
         )
         self._waiters: dict[str, set[asyncio.Future[WaitOutcome]]] = {}
+        # Waits cut off from their transfer (a restart): they end only at their timeout.
+        self._orphans: set[asyncio.Future[WaitOutcome]] = set()
 
     @property
     def stored(self) -> int:
@@ -128,15 +131,25 @@ class TransferRegistry:
             return "timeout"
         finally:
             self._drop_waiter(transfer_id, future)
+            self._orphans.discard(future)
 
     def forget_all(self, reason: str) -> None:
-        """Drop every transfer and end every wait with `reason` (a restart loses the KV)."""
+        """Drop every transfer and end every wait with `reason` (the server shuts down)."""
+        self._done.clear()
+        waiters, self._waiters = self._waiters, {}
+        orphans, self._orphans = self._orphans, set()
+        for future in itertools.chain(orphans, *waiters.values()):
+            if not future.done():
+                future.set_result(reason)
+
+    def orphan_all(self) -> None:
+        """Drop every transfer and leave every wait without an answer: what a vLLM Mooncake
+        decode sees when its prefill engine dies (its side-channel socket keeps waiting for
+        its receive timeout). A wait ends at its own timeout; a shutdown still ends it."""
         self._done.clear()
         waiters, self._waiters = self._waiters, {}
         for futures in waiters.values():
-            for future in futures:
-                if not future.done():
-                    future.set_result(reason)
+            self._orphans.update(futures)
 
     def _drop_waiter(self, transfer_id: str, future: asyncio.Future[WaitOutcome]) -> None:
         futures = self._waiters.get(transfer_id)

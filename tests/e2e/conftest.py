@@ -89,3 +89,14 @@ def forget_engine_ids(stack: Stack) -> None:
         lambda: stack.metric("pdproc_engine_cache_events_total", event="invalidation") > before
     )
     stack.sim_post("prefill", "/sim/faults", {"clear": True})
+
+
+def one_stream_per_connection(bootstrap: dict[str, Any]) -> None:
+    """An `envoy_config_hook`: Envoy opens a new connection to pdproc for each request, so
+    the kernel spreads requests over every `--workers` process (SO_REUSEPORT) instead of
+    sending them all down the one HTTP/2 connection a single Envoy thread keeps."""
+    for cluster in bootstrap["static_resources"]["clusters"]:
+        if cluster["name"] == "pdproc":
+            options = cluster["typed_extension_protocol_options"]
+            http = options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+            http["common_http_protocol_options"] = {"max_requests_per_connection": 1}

@@ -1,0 +1,102 @@
+"""A prefill pod restarts with new engine ids: no request is lost, in any process of any
+replica, even when nothing warned pdproc (the pod got no traffic while it was down).
+
+The simulated decode behaves like vLLM's: told an engine id its pod no longer has, it waits
+silently for its abort timeout (`--kv-timeout-s`, 480 s in vLLM, 5 s here so a failure shows
+as a 500 rather than a hang). The simulator restarts at once; a real engine takes 30 s and
+more, which is what the test's idle spell stands for.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from pdproc_sim.devstack import Process, running_stack, start_envoy, start_pdproc
+
+from pdproc.config import Settings
+from pdproc.server import RESTART_S
+
+from .conftest import one_stream_per_connection
+
+pytestmark = pytest.mark.e2e
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+REPLICAS = 2
+WORKERS = 2
+MAX_REQUESTS = 400  # bound of each loop below
+
+
+def prefilled(processes: list[Process], since: float) -> list[dict[str, Any]]:
+    """The "pd request prefilled" log lines (pid, engine id) of every pdproc process, from
+    `since` (a wall-clock time) on."""
+    lines = []
+    for process in processes:
+        for line in process.log_path.read_text().splitlines():
+            if line.startswith("{") and '"pd request prefilled"' in line:
+                entry = orjson.loads(line)
+                if entry["ts"] >= since:
+                    lines.append(entry)
+    return lines
+
+
+def test_a_restarted_pod_costs_no_request_in_any_worker_or_replica(tmp_path: Path) -> None:
+    """2 replicas x --workers 2, each process with its own engine-id cache and the default
+    --engine-cache-ttl: every process pairs with the old ids before the restart, and after
+    it (the pod idle longer than the ttl, as a real restart is) every request, in every
+    process, gets the new ids and its KV."""
+    # A real restart takes RESTART_S and more; the test waits just past the ttl, the
+    # shortest downtime the design has to hold for.
+    downtime = Settings().engine_cache_ttl + 0.5
+    assert downtime < RESTART_S
+    with running_stack(
+        ["--dp-ranks", "2", "--kv-timeout-s", "5"],
+        ["--workers", str(WORKERS)],
+        workdir=tmp_path,
+    ) as st:
+        replicas = [st.pdproc]
+        second, second_addr, _ = start_pdproc(tmp_path, st.pdproc_args, name="pdproc-2")
+        st.extra.append(second)
+        replicas.append(second)
+        envoy = start_envoy(
+            tmp_path,
+            [st.sim.decode],
+            [st.pdproc_addr, second_addr],
+            config_hook=one_stream_per_connection,
+        )
+        st.extra.append(envoy.process)
+        target = {"x-prefiller-host-port": str(st.sim.prefill)}
+        old_ids = set(st.sim_get("prefill", "/sim/stats")["engine_ids"].values())
+
+        def serve_until_every_process_served(since: float) -> set[int]:
+            pids: set[int] = set()
+            with httpx.Client(timeout=60) as client:
+                for _ in range(MAX_REQUESTS):
+                    response = client.post(
+                        envoy.url + "/v1/chat/completions", json=CHAT, headers=target
+                    )
+                    assert response.status_code == 200, response.text
+                    pids = {line["pid"] for line in prefilled(replicas, since)}
+                    if len(pids) == REPLICAS * WORKERS:
+                        return pids
+            raise AssertionError(f"only processes {pids} got requests")
+
+        serve_until_every_process_served(0.0)
+        assert {line["engine_id"] for line in prefilled(replicas, 0.0)} <= old_ids
+
+        new_ids = set(st.sim_post("prefill", "/sim/restart")["engine_ids"].values())
+        assert not new_ids & old_ids
+        time.sleep(downtime)  # no traffic, so no failure warns any process
+
+        st.sim_post("decode", "/sim/reset")
+        since = time.time()
+        serve_until_every_process_served(since)
+        after = prefilled(replicas, since)
+        assert {line["engine_id"] for line in after} <= new_ids
+        decodes = st.sim_get("decode", "/sim/stats")
+        assert decodes["kv_failures"] == {}
+        assert decodes["kv_ok"] == len(after)
