@@ -177,12 +177,27 @@ def decode_ticket(
     port = params.get("remote_port")
     if not _is_int(port) or not 0 < port < 65536:
         raise BadRequest(f"{where}.remote_port must be a port number, got {port!r}")
-    blocks = params.get("remote_block_ids")
-    if not isinstance(blocks, list) or not blocks or not all(_is_int(b) for b in blocks):
-        raise BadRequest(f"{where}.remote_block_ids must be a non-empty list of integers")
+    blocks = block_ids(params.get("remote_block_ids"))
+    if not blocks:
+        raise BadRequest(
+            f"{where}.remote_block_ids must be a non-empty list of integers "
+            "(or one such list per KV cache group)"
+        )
     rid = request_id(headers, connector, "decode")
     url = f"http://{_host(host)}:{port}"
-    return DecodeTicket(NIXLV2, remote_request, url, engine_id, tuple(blocks), rid)
+    return DecodeTicket(NIXLV2, remote_request, url, engine_id, blocks, rid)
+
+
+def block_ids(value: Any) -> tuple[int, ...]:
+    """NIXL's remote_block_ids as one flat tuple: vLLM 0.32 sends one list per KV cache
+    group, older releases (and llm-d's contract) a flat list. Empty when neither."""
+    if not isinstance(value, list) or not value:
+        return ()
+    if all(_is_int(b) for b in value):
+        return tuple(value)
+    if all(isinstance(g, list) and all(_is_int(b) for b in g) for g in value):
+        return tuple(b for g in value for b in g)
+    return ()
 
 
 def _host(host: str) -> str:

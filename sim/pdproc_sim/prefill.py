@@ -459,15 +459,23 @@ def _finish_nixl(state: PrefillState, job: _Job, shipped: bool) -> JsonObject | 
     state.finish_transfer(remote_request_id, _result(state, job, shipped, blocks))
     if state.faults.kv_params == "missing":
         return None
+    # Every field vLLM 0.32's NIXL scheduler answers (nixl/base_scheduler.py), in its order
+    # and shapes: block ids come one list per KV cache group (one group here).
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
-        "remote_block_ids": list(blocks),
+        "remote_block_ids": [list(blocks)],
         "remote_engine_id": state.engine_ids[job.rank],
         "remote_request_id": remote_request_id,
         "remote_host": state.side_channel_host(),
         "remote_port": state.bootstrap_port,
         "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": prompt_tokens_of(job),
+        "remote_blocks_expiry_time": None,
+        "transfer_mode": "pull",
+        "remote_prefill_cached_tokens": 0,
     }
 
 

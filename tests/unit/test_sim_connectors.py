@@ -107,9 +107,12 @@ async def test_nixl_prefill_answers_the_decode_params_and_the_decode_reads_them(
     assert params["remote_request_id"].startswith("chatcmpl-req-1-")
     assert params["remote_host"] == "127.0.0.1"
     assert params["remote_port"] == prefill.bootstrap_port
-    blocks = params["remote_block_ids"]
+    # vLLM 0.32's shape: one list of block ids per KV cache group
+    (blocks,) = params["remote_block_ids"]
     assert blocks
     assert all(isinstance(b, int) for b in blocks)
+    assert params["remote_num_tokens"] > 0
+    assert (params["transfer_mode"], params["remote_blocks_expiry_time"]) == ("pull", None)
 
     body = chat_body(stream=True, max_tokens=3, kv_transfer_params=params)
     response = await client.post(decode.url + CHAT, json=body, headers={"x-request-id": "req-1"})

@@ -1,0 +1,167 @@
+"""A recording reverse proxy for the contract test: it sits on one leg (pdproc -> prefill,
+or Envoy -> decode), passes every request on unchanged and keeps what crossed it, so the
+same scenario can be compared between the real engines and pdproc-sim.
+
+`shape()` reduces a JSON value to the set of its field paths and value kinds, the thing the
+contract compares (values differ between any two runs; names, nesting and nulls must not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from pdproc_sim.devstack import free_port
+
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "content-length",
+    "host",
+}
+
+
+@dataclass
+class Exchange:
+    path: str
+    request: Any
+    status: int
+    content_type: str
+    response: bytes
+
+    def response_json(self) -> Any:
+        return json.loads(self.response)
+
+    def events(self) -> list[Any]:
+        """The JSON events of an SSE answer ([DONE] left out)."""
+        out = []
+        for line in self.response.decode().splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[len("data: ") :]))
+        return out
+
+
+@dataclass
+class Recorder:
+    upstream: str  # http://host:port
+    port: int = 0
+    exchanges: list[Exchange] = field(default_factory=list)
+
+    def clear(self) -> None:
+        self.exchanges.clear()
+
+
+@contextlib.contextmanager
+def recording_proxy(upstream: str) -> Iterator[Recorder]:
+    """A proxy on a free loopback port in a thread of its own, stopped on exit."""
+    recorder = Recorder(upstream, free_port())
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    runner_box: list[web.AppRunner] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        session: aiohttp.ClientSession = request.app["session"]
+        async with session.request(
+            request.method,
+            recorder.upstream + request.path_qs,
+            data=raw,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=600),
+        ) as upstream:
+            answer = web.StreamResponse(status=upstream.status)
+            for name, value in upstream.headers.items():
+                if name.lower() not in HOP_BY_HOP:
+                    answer.headers[name] = value
+            await answer.prepare(request)
+            body = bytearray()
+            async for chunk in upstream.content.iter_any():
+                body += chunk
+                await answer.write(chunk)
+            await answer.write_eof()
+        try:
+            parsed = json.loads(raw) if raw else None
+        except ValueError:
+            parsed = raw.decode("utf-8", "replace")
+        recorder.exchanges.append(
+            Exchange(
+                request.path,
+                parsed,
+                upstream.status,
+                upstream.headers.get("content-type", ""),
+                bytes(body),
+            )
+        )
+        return answer
+
+    async def start() -> None:
+        app = web.Application()
+        app["session"] = aiohttp.ClientSession()
+        app.router.add_route("*", "/{tail:.*}", handle)
+
+        async def close_session(app: web.Application) -> None:
+            await app["session"].close()
+
+        app.on_cleanup.append(close_session)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", recorder.port).start()
+        runner_box.append(runner)
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(start())
+        started.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, name=f"recorder-{recorder.port}", daemon=True)
+    thread.start()
+    started.wait(30)
+    try:
+        yield recorder
+    finally:
+        if runner_box:
+            asyncio.run_coroutine_threadsafe(runner_box[0].cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+def kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list):
+        return "list"
+    return "object"
+
+
+def shape(value: Any, prefix: str = "$", depth: int = 3) -> set[str]:
+    """`{"$.a:str", "$.b:null", "$.c[]:number", ...}`: field paths with their value kinds,
+    `depth` levels down (lists by their first element)."""
+    out = {f"{prefix}:{kind(value)}"}
+    if depth == 0:
+        return out
+    if isinstance(value, dict):
+        for key, item in value.items():
+            out |= shape(item, f"{prefix}.{key}", depth - 1)
+    elif isinstance(value, list) and value:
+        out |= shape(value[0], f"{prefix}[]", depth - 1)
+    return out
