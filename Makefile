@@ -18,7 +18,7 @@ PYTEST_ARGS ?= tests
 
 .PHONY: install dev demo test lint protos protos-check dist test-venv test-installed \
 	test-oldest-envoy test-envoy-matrix test-engines unit bench bench-smoke envoy-config clean \
-	image print-image test-compose
+	image print-image test-compose promtool
 
 $(STAMP): pyproject.toml $(SIM)
 	python3 -m venv $(VENV)
@@ -78,14 +78,25 @@ test-installed:
 # Then the P/D, edge-security and mTLS suites and the config validation run again on the
 # oldest supported Envoy (what Envoy Gateway v1.6 ships); `make test-envoy-matrix` runs the
 # whole end-to-end suite on every supported release.
-test: lint protos-check test-venv
+test: lint protos-check promtool test-venv
 	$(MAKE) --no-print-directory test-installed PYTEST_ARGS=tests
 	$(MAKE) --no-print-directory test-oldest-envoy
+
+# promtool runs the alert rules' unit tests (tests/deploy/test_alert_rules.py, which fail
+# without it): Debian's `prometheus` package, installed when missing (the service it ships
+# is not started by this).
+promtool:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  echo "installing promtool (Debian package prometheus)" >&2; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends prometheus >/dev/null; }
 
 OLDEST_ENVOY ?= 1.36.4
 OLDEST_ENVOY_TESTS ?= tests/e2e/test_pd_through_envoy.py tests/e2e/test_edge_security.py \
 	tests/e2e/test_mtls.py tests/e2e/test_envoy_config.py tests/e2e/test_streamed_bodies.py
-INSTALLED_ENV = PYTHON=$(TPY) PDPROC_TEST_INSTALLED=1 PDPROC_DIST="$(abspath $(DIST))"
+# The matrix runs' logs stay in the checkout (build/), where `make clean` finds them.
+INSTALLED_ENV = PYTHON=$(TPY) PDPROC_TEST_INSTALLED=1 PDPROC_DIST="$(abspath $(DIST))" \
+	MATRIX_LOGS="$(CURDIR)/build/envoy-matrix-logs"
 
 test-oldest-envoy:
 	@test -x $(TPY) || { echo "no $(TEST_VENV): run make test-venv first" >&2; exit 2; }
@@ -152,5 +163,11 @@ envoy-config: $(STAMP)
 	$(VENV)/bin/pdproc envoy-config --listen 0.0.0.0:10000 --processor 127.0.0.1:9002 \
 	  --decode 127.0.0.1:8200 --admin 127.0.0.1:9901 > envoy/pdproc.yaml
 
+# Everything `make test` and `make demo` leave behind: the checkout's virtualenvs and builds,
+# the user cache the deploy validator and the Envoy matrix share between checkouts
+# (~/.cache/pdproc: a pinned kubectl/envoy virtualenv and older Envoy releases, ~450 MB,
+# downloaded again on the next run) and matrix logs of older runs in the temp folder.
+USER_CACHE := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/pdproc
 clean:
-	rm -rf $(VENV) $(TEST_VENV) $(DIST) build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV)-demo $(TEST_VENV) $(DIST) build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf "$(USER_CACHE)" $(wildcard $(or $(TMPDIR),/tmp)/pdproc-envoy-matrix.*)

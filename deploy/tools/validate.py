@@ -63,8 +63,9 @@ COMPOSE_ENVOY_ARGS = [
     "0.0.0.0:9901",
 ]
 # Metrics that are not pdproc's own and that the rules and the dashboard may use: Prometheus'
-# own series, and Envoy's ext_proc statistics as /stats/prometheus names them (checked
-# against a real Envoy by tests/deploy/test_monitoring.py).
+# own series, Envoy's ext_proc and cluster statistics as /stats/prometheus names them
+# (checked against a real Envoy by tests/deploy/test_monitoring.py), Istio's standard request
+# metric, and the endpoint picker's (GIE v1.0.0 pkg/epp/metrics/metrics.go).
 ENVOY_EXT_PROC_STATS = (
     "streams_started",
     "streams_failed",
@@ -76,6 +77,13 @@ ENVOY_EXT_PROC_STATS = (
     "spurious_msgs_received",
     "immediate_responses_sent",
 )
+EPP_METRICS = (
+    "inference_model_request_total",
+    "inference_model_request_error_total",
+    "inference_pool_ready_pods",
+    "inference_pool_average_kv_cache_utilization",
+    "inference_pool_average_queue_size",
+)
 EXTERNAL_METRICS = {
     "up",
     "process_cpu_seconds_total",
@@ -84,6 +92,9 @@ EXTERNAL_METRICS = {
     "pdproc_build_info",
     *(f"envoy_http_ext_proc_{stat}" for stat in ENVOY_EXT_PROC_STATS),
     *(f"envoy_http_ext_proc_pdproc_{stat}" for stat in ENVOY_EXT_PROC_STATS),
+    "envoy_cluster_upstream_rq_total",
+    "istio_requests_total",
+    *EPP_METRICS,
 }
 
 
@@ -314,7 +325,20 @@ def check_expr(label: str, expr: str, pdproc_metrics: frozenset[str], report: Re
 
 
 def check_rules(docs: list[Doc], pdproc_metrics: frozenset[str], report: Report) -> None:
-    for rule_doc in (d for d in docs if d.kind == "PrometheusRule"):
+    rule_docs = [d for d in docs if d.kind == "PrometheusRule"]
+    # Series recorded by the rules themselves (level:metric:operations) may be used by others.
+    recorded = frozenset(
+        str(rule["record"])
+        for d in rule_docs
+        for group in d.spec.get("groups", [])
+        for rule in group.get("rules", [])
+        if "record" in rule
+    )
+    for name in recorded:
+        if not re.fullmatch(r"[a-z_]+:[a-z0-9_]+:[a-z0-9_]+", name):
+            report.error(name, "recording rule name is not level:metric:operations")
+    pdproc_metrics = pdproc_metrics | recorded
+    for rule_doc in rule_docs:
         for group in rule_doc.spec.get("groups", []):
             for rule in group.get("rules", []):
                 label = f"{rule_doc.where} {rule.get('alert') or rule.get('record')}"
@@ -361,7 +385,8 @@ def check_dashboards(
                 label = f"{rel} panel {panel.get('title')!r}"
                 if not check_expr(label, expr, pdproc_metrics, report):
                     continue
-                if "pdproc_" in expr and "$namespace" not in target.get("expr", ""):
+                # pdproc's own series (not Envoy's envoy_http_ext_proc_pdproc_*).
+                if re.search(r"\bpdproc_", expr) and "$namespace" not in target.get("expr", ""):
                     report.error(label, "query is not filtered by $namespace/$job/$pod")
                 report.ok("promql: dashboard queries parsed")
 

@@ -201,6 +201,15 @@ MUTATIONS = [
         "",
         "several EPP replicas need --ha-enable-leader-election",
     ),
+    # GIE v1.0.0 answers health checks on the ext_proc port only with --health-checking,
+    # and Envoy Gateway's active check probes that port.
+    Mutation(
+        "epp-health-check-without-health-service",
+        "deploy/llm-d/common/epp.yaml",
+        "        - --health-checking\n",
+        "",
+        "answers health checks only with --health-checking",
+    ),
     Mutation(
         "epp-pod-security",
         "deploy/llm-d/common/epp.yaml",

@@ -261,7 +261,14 @@ def test_envoy_counters_the_alerts_use_exist(all_exprs: list[str], envoy_metrics
 def test_pdproc_metrics_the_alerts_and_dashboard_use_exist(
     all_exprs: list[str], pdproc_metrics: set[str]
 ) -> None:
-    used = {n for n in queried_metrics(all_exprs) if not n.startswith("envoy_") and n != "up"}
+    # Not pdproc's: Envoy's (above), Istio's and the endpoint picker's, Prometheus' `up`, and
+    # the series the recording rules make (level:metric:operations).
+    others = ("envoy_", "istio_", "inference_")
+    used = {
+        n
+        for n in queried_metrics(all_exprs)
+        if not n.startswith(others) and n != "up" and ":" not in n
+    }
     assert "pdproc_requests_total" in used
     assert "pdproc_build_info" in used
     assert used <= pdproc_metrics, sorted(used - pdproc_metrics)
@@ -277,14 +284,26 @@ def test_rule_and_monitor_shapes(rendered: list[dict[str, Any]]) -> None:
         if d["kind"] == "PrometheusRule"
         for g in d["spec"]["groups"]
         for rule in g["rules"]
+        if "alert" in rule
     }
     # The issue's four signals: the P/D share, up == 0, ext_proc failures, fail-open.
-    assert 'outcome="pd"' in alerts["PdprocPDShareDropped"]["expr"]
+    recorded = {
+        rule["record"]: rule["expr"]
+        for d in rendered
+        if d["kind"] == "PrometheusRule"
+        for g in d["spec"]["groups"]
+        for rule in g["rules"]
+        if "record" in rule
+    }
+    assert "pdproc:pd_share:ratio_rate15m" in alerts["PdprocPDShareDropped"]["expr"]
+    assert 'outcome="pd"' in recorded["pdproc:pd_requests:rate15m"]
     assert alerts["PdprocDown"]["expr"].strip() == 'up{job="pdproc"} == 0'
     assert "streams_failed" in alerts["GatewayExtProcStreamsFailing"]["expr"]
     assert "failure_mode_allowed" in alerts["GatewayExtProcFailOpen"]["expr"]
     runbooks = (REPO / "docs" / "operations.md").read_text("utf-8").lower()
     for name, rule in alerts.items():
+        # Absolute (clickable in Alertmanager), from the one base URL in runbooks.yaml.
+        assert rule["annotations"]["runbook_url"].startswith("https://"), name
         anchor = rule["annotations"]["runbook_url"].split("#", 1)[1]
         assert anchor == name.lower()
         assert f"### {name.lower()}" in runbooks, f"docs/operations.md has no runbook for {name}"

@@ -686,6 +686,34 @@ def _epp(docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, repor
                     "strategy Recreate takes every picker down on a rollout "
                     "(FailClose: every request fails)",
                 )
+            _epp_health_checked(docs, w, args, report)
+
+
+def _epp_health_checked(docs: list[Doc], w: Doc, args: list[str], report: Report) -> None:
+    """Envoy Gateway's active gRPC health check probes the ext_proc port itself; GIE v1.0.0
+    registers a health service there only with --health-checking. Without it every picker
+    replica is unhealthy and traffic flows only through Envoy's panic threshold."""
+    if any(a.lstrip("-").startswith("health-checking") and not a.endswith("=false") for a in args):
+        return
+    labels = pod_labels(w)
+    services = {
+        d.name
+        for d in docs
+        if d.kind == "Service"
+        and (d.spec.get("selector") or {})
+        and (d.spec.get("selector") or {}).items() <= labels.items()
+    }
+    for policy in (d for d in docs if d.kind == "EnvoyExtensionPolicy"):
+        for ext in policy.spec.get("extProc", []):
+            active = ((ext.get("backendSettings") or {}).get("healthCheck") or {}).get("active")
+            refs = {r.get("name") for r in ext.get("backendRefs", [])}
+            if active and active.get("type") == "GRPC" and refs & services:
+                report.error(
+                    policy.where,
+                    f"the gRPC health check of {sorted(refs & services)} probes the ext_proc "
+                    f"port, which answers health checks only with --health-checking on "
+                    f"{w.where}",
+                )
 
 
 def _grants(docs: list[Doc], sa: str, group: str, resource: str, verbs: set[str]) -> bool:
