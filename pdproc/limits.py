@@ -9,9 +9,10 @@ pod any more. So:
 - the gRPC listener drops a connection whose handshake (TLS and HTTP/2 settings) has not
   completed in GRPC_HANDSHAKE_TIMEOUT_S, accepts at most GRPC_MAX_CONNECTIONS at once, and
   pings idle peers so a vanished Envoy's connections end too;
-- the metrics/health listener drops a connection that has not sent a whole request head
-  (or sat idle between requests) for HTTP_IDLE_TIMEOUT_S, and accepts at most
-  HTTP_MAX_CONNECTIONS at once (more are closed as soon as they are accepted);
+- the metrics/health listener closes every connection HTTP_CONNECTION_LIFETIME_S after it
+  opened, once its current request is answered (so a request head never finished is
+  dropped then), idle ones after HTTP_IDLE_TIMEOUT_S, and keeps at most
+  HTTP_MAX_CONNECTIONS open (a new one beyond them closes the oldest);
 - at start, the soft RLIMIT_NOFILE is raised to the hard limit, and checked against what
   the settings can hold open at once (`needed_descriptors`): below it pdproc warns, below
   MIN_DESCRIPTORS it refuses to start.
@@ -30,6 +31,7 @@ GRPC_MAX_CONNECTIONS = 512
 GRPC_KEEPALIVE_TIME_S = 60.0
 GRPC_KEEPALIVE_TIMEOUT_S = 20.0
 HTTP_IDLE_TIMEOUT_S = 10.0
+HTTP_CONNECTION_LIFETIME_S = 10.0
 HTTP_MAX_CONNECTIONS = 128
 # Log files, the event loop's own descriptors, DNS, the trace exporter, worker pipes.
 RESERVE_DESCRIPTORS = 64

@@ -193,6 +193,7 @@ class Server:
             listen.host,
             listen.port,
             max_connections=limits.HTTP_MAX_CONNECTIONS,
+            lifetime_s=limits.HTTP_CONNECTION_LIFETIME_S,
             reuse_port=self._share_ports,
         )
         await site.start()

@@ -18,6 +18,7 @@ hang-up that took. A Markdown table, for docs/operations.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -46,15 +47,13 @@ def outcomes(stack: Stack, name: str) -> dict[str, int]:
 
 def hang_up(stack: Stack, max_tokens: int, after_s: float) -> float:
     headers = {"x-prefiller-host-port": str(stack.sim.prefill)}
-    try:
+    with contextlib.suppress(httpx.TimeoutException):
         httpx.post(
             stack.envoy.url + "/v1/chat/completions",
             json={**CHAT, "max_tokens": max_tokens},
             headers=headers,
             timeout=after_s,
         )
-    except httpx.TimeoutException:
-        pass
     return time.monotonic()
 
 

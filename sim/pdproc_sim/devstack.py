@@ -213,17 +213,31 @@ def start_pdproc(
     metrics: HostPort | None = None,
 ) -> tuple[Process, HostPort, HostPort]:
     """`pdproc serve` (on free ports unless given); returns the process, its gRPC and
-    metrics addresses once it reports ready."""
-    listen = listen or HostPort(host, free_port(host))
-    metrics = metrics or HostPort(host, free_port(host))
-    argv = [*console_script("pdproc", "pdproc.cli"), "serve", "--listen", str(listen)]
-    # One process unless `args` asks for more (later flags win): the stack's numbers and
-    # metrics are one process's.
-    argv += ["--metrics-listen", str(metrics), "--workers", "1", *args]
-    proc = spawn(name, argv, workdir, env=env)
-    metrics_url = metrics.url()
-    wait_for(lambda: http_get(metrics_url + "/readyz")[0] == 200, name, proc=proc)
-    return proc, listen, metrics
+    metrics addresses once it reports ready. Ports picked here may be taken by another
+    process before pdproc binds them (pdproc then refuses them): it is tried again on
+    others, a few times."""
+    for attempt in range(_PORT_ATTEMPTS):
+        chosen = listen or HostPort(host, free_port(host))
+        chosen_metrics = metrics or HostPort(host, free_port(host))
+        argv = [*console_script("pdproc", "pdproc.cli"), "serve", "--listen", str(chosen)]
+        # One process unless `args` asks for more (later flags win): the stack's numbers
+        # and metrics are one process's.
+        argv += ["--metrics-listen", str(chosen_metrics), "--workers", "1", *args]
+        proc = spawn(name, argv, workdir, env=env)
+        metrics_url = chosen_metrics.url()
+        try:
+            wait_for(lambda url=metrics_url: http_get(url + "/readyz")[0] == 200, name, proc=proc)
+        except RuntimeError:
+            picked_here = listen is None or metrics is None
+            lost_race = "already in use by another process" in proc.tail()
+            if picked_here and lost_race and attempt + 1 < _PORT_ATTEMPTS:
+                continue
+            raise
+        return proc, chosen, chosen_metrics
+    raise AssertionError("unreachable")
+
+
+_PORT_ATTEMPTS = 3
 
 
 def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:

@@ -106,3 +106,19 @@ def test_a_second_pdproc_on_the_same_ports_is_refused_and_the_first_serves_on() 
         first.communicate(timeout=SECONDS)
     assert not port_held("127.0.0.1", grpc_port)
     assert not port_held("127.0.0.1", metrics_port)
+
+
+def test_the_dev_stack_picks_other_ports_when_pdproc_refuses_one(
+    held_port: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port picked free can be taken by another process before pdproc binds it: pdproc
+    refuses it now (it used to share it), so the dev stack tries other ports."""
+    from pdproc_sim import devstack
+
+    ports = iter([held_port, free_port(), free_port(), free_port()])
+    monkeypatch.setattr(devstack, "free_port", lambda host="127.0.0.1": next(ports))
+    process, listen, _ = devstack.start_pdproc(tmp_path, ["--shutdown-delay", "0"])
+    try:
+        assert listen.port != held_port
+    finally:
+        process.stop()

@@ -1,69 +1,178 @@
 """Issue 19, item 6: pdproc's own resource exhaustion is never held against a pod.
 
-A prefill connect that fails because pdproc is out of file descriptors ("Too many open
-files") used to count as the pod's `connect_error` and open healthy pods' breakers. The
-test makes it really happen: with one prefill holding the pooled connection, the soft
-RLIMIT_NOFILE of this process is lowered to the next descriptor's number, so the next
-prefill's socket() fails with EMFILE. That request gets 503 `overloaded`, its prefill counts
-`exhausted`, and the pod's breaker (opening at the first failure here) stays closed.
+A prefill connect that failed because pdproc was out of file descriptors ("Too many open
+files") used to count as the pod's `connect_error` and open healthy pods' breakers. Here a
+real `pdproc serve` runs under an open-file limit of 320 (soft and hard) while more P/D
+requests than that wait on a prefill pod that holds every prefill open: the prefill
+connects beyond the limit really fail with EMFILE. Those requests get 503 `overloaded`,
+their prefills count `exhausted`, the pod's breaker (opening at the first failure here)
+stays closed, and once the held prefills end the pod serves P/D again.
 """
 
 from __future__ import annotations
 
-import os
+import asyncio
 import resource
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
-import orjson
+import grpc
+import httpx
+import pytest
+from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
+from pdproc_sim.devstack import free_port
+from prometheus_client.parser import text_string_to_metric_families
 
-from pdproc.targets import parse_host_port
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from .harness import Harness, eventually
-from .messages import CHAT, body_msg, recv, response_headers_msg
+from .harness import eventually
+from .messages import CHAT, body_msg, headers_msg, recv, response_headers_msg
+
+LIMIT = 320
+REQUESTS = 360  # more prefills than descriptors
 
 
-def lowest_free_descriptor() -> int:
-    """The number the next open() or socket() would get: with the soft limit at it, that
-    call fails with EMFILE."""
-    taken = {int(name) for name in os.listdir("/proc/self/fd")}
-    taken.discard(max(taken))  # listdir's own descriptor, closed again by now
-    return min(set(range(len(taken) + 1)) - taken)
+@pytest.fixture
+async def prefill() -> AsyncIterator[RunningPrefill]:
+    running = await start_prefill(PrefillConfig(dp_ranks=1))
+    yield running
+    await running.close()
+
+
+def cap_descriptors() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (LIMIT, LIMIT))
+
+
+async def scrape(metrics_port: int) -> str:
+    async with httpx.AsyncClient() as client:
+        return (await client.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5)).text
+
+
+class Page:
+    """A scraped /metrics page (of a pdproc in another process)."""
+
+    def __init__(self, text: str) -> None:
+        self.families = list(text_string_to_metric_families(text))
+
+    def sample(self, name: str, **labels: str) -> float:
+        total = 0.0
+        for family in self.families:
+            for sample in family.samples:
+                if sample.name == name and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    total += sample.value
+        return total
 
 
 async def test_pdproc_out_of_descriptors_is_not_the_pods_fault(
-    make_harness: Callable[..., Any],
+    prefill: RunningPrefill, tmp_path: Path
 ) -> None:
-    h: Harness = await make_harness(breaker_failures=1)
-    service = h.server.service
-    assert service is not None
-    # A whole request first: the engine map is cached, connections are pooled.
-    call = await h.past_headers()
-    await call.write(body_msg(CHAT))
-    await recv(call)
-    await call.write(response_headers_msg("200"))
-    await recv(call)
-    await h.faults(prefill_hang=True)
-    held = await h.past_headers()
-    await held.write(body_msg(CHAT))
-    await recv(held)
-    await eventually(lambda: service.launcher.total_in_flight == 1)
-    starved = await h.past_headers()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free_descriptor(), hard))
+    assert prefill.bootstrap_port is not None
+    grpc_port, metrics_port = free_port(), free_port()
+    script = Path(sys.executable).with_name("pdproc")
+    head = [str(script)] if script.exists() else [sys.executable, "-m", "pdproc.cli"]
+    argv = [*head, "serve", "--listen", f"127.0.0.1:{grpc_port}", "--workers", "1"]
+    argv += ["--metrics-listen", f"127.0.0.1:{metrics_port}", "--shutdown-delay", "0"]
+    argv += ["--prefill-allow", "127.0.0.1/32", "--breaker-failures", "1"]
+    argv += ["--mooncake-bootstrap-port", str(prefill.bootstrap_port), "--drain-timeout", "5"]
+    log = (tmp_path / "pdproc.log").open("w")
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=cap_descriptors
+    )
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
+    calls: list[Any] = []
     try:
-        await starved.write(body_msg(CHAT))
-        await recv(starved)  # the body's answer, then the abort
-        abort = await recv(starved)
+        await eventually(lambda: _ready(metrics_port), timeout_s=30)
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        target = {"x-prefiller-host-port": prefill.address}
+        # One whole request first: the engine map is cached.
+        call = stub.Process()
+        await call.write(headers_msg(extra=target))
+        await recv(call)
+        await call.write(body_msg(CHAT))
+        await recv(call)
+        await call.write(response_headers_msg("200"))
+        await recv(call)
+        call.cancel()
+        await _faults(prefill, prefill_hang=True)
+        for _ in range(REQUESTS):
+            call = stub.Process()
+            calls.append(call)
+            await call.write(headers_msg(extra=target))
+            await recv(call, timeout_s=30)
+            await call.write(body_msg(CHAT))
+            await recv(call, timeout_s=30)
+        # The prefills beyond the limit failed at once: their streams were aborted.
+        aborts = await asyncio.gather(*(_abort_of(c) for c in calls))
+        refused = [status for status in aborts if status is not None]
+        assert refused, "no prefill ran out of descriptors"
+        assert set(refused) == {503}
+        await _faults(prefill, prefill_hang=False)
+        for call in calls:
+            call.cancel()
+        page = Page(await _scrape_when_possible(metrics_port))
+        assert page.sample("pdproc_prefills_total", outcome="exhausted") == len(refused)
+        assert page.sample("pdproc_prefills_total", outcome="connect_error") == 0
+        assert page.sample("pdproc_requests_total", outcome="overloaded") == len(refused)
+        assert page.sample("pdproc_prefill_breaker_open") == 0
+        # The pod serves P/D again.
+        call = stub.Process()
+        await call.write(headers_msg(extra=target))
+        await recv(call)
+        await call.write(body_msg(CHAT))
+        assert (await recv(call)).request_body.response.HasField("body_mutation")
+        call.cancel()
     finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    assert abort.immediate_response.status.code == 503
-    assert orjson.loads(abort.immediate_response.body)["type"] == "ServiceUnavailable"
-    assert h.sample("pdproc_prefills_total", outcome="exhausted") == 1
-    assert h.sample("pdproc_prefills_total", outcome="connect_error") == 0
-    assert h.sample("pdproc_requests_total", outcome="overloaded") == 1
-    assert h.sample("pdproc_prefill_breaker_open") == 0
-    assert service.breakers.allow(parse_host_port(h.prefill.address))
-    await h.faults(prefill_hang=False)
-    held.cancel()
-    starved.cancel()
+        await _faults(prefill, prefill_hang=False)
+        await channel.close()
+        process.terminate()
+        async with asyncio.timeout(30):
+            await process.wait()
+        log.close()
+    assert "Too many open files" in (tmp_path / "pdproc.log").read_text()
+
+
+async def _ready(metrics_port: int) -> bool:
+    try:
+        async with httpx.AsyncClient() as client:
+            response = await client.get(f"http://127.0.0.1:{metrics_port}/readyz", timeout=2)
+            return response.status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+async def _scrape_when_possible(metrics_port: int) -> str:
+    """The metrics page, once pdproc has descriptors again to accept the scrape."""
+    page: list[str] = []
+
+    async def got() -> bool:
+        try:
+            page.append(await scrape(metrics_port))
+        except httpx.TransportError:
+            return False
+        return True
+
+    await eventually(got, timeout_s=30)
+    return page[-1]
+
+
+async def _abort_of(call: Any) -> int | None:
+    """The status of an unsolicited immediate response on `call`, None if none comes."""
+    try:
+        async with asyncio.timeout(3):
+            answer = await call.read()
+    except TimeoutError:
+        return None
+    if answer is grpc.aio.EOF or not answer.HasField("immediate_response"):
+        return None
+    return int(answer.immediate_response.status.code)
+
+
+async def _faults(prefill: RunningPrefill, **faults: Any) -> None:
+    async with httpx.AsyncClient() as client:
+        response = await client.post(prefill.url + "/sim/faults", json=faults)
+        response.raise_for_status()
