@@ -23,7 +23,7 @@ from typing import Any, TypeGuard
 
 import orjson
 
-from pdproc.connectors import AnswerError, ClientRequest, EngineMap, Legs, OnFailure
+from pdproc.connectors import AnswerError, ClientRequest, EngineMap, Legs, NoKvParams, OnFailure
 from pdproc.errors import shown
 from pdproc.request_body import KV_PARAMS, BodyError, dumps, prime_single_token, with_field
 from pdproc.targets import HostPort
@@ -113,8 +113,10 @@ def params_from_answer(answer: bytes, target: HostPort, admits: Admits) -> dict[
     except orjson.JSONDecodeError:
         raise AnswerError("the prefill's answer is not JSON") from None
     params = data.get(KV_PARAMS) if isinstance(data, dict) else None
+    if params is None:
+        raise NoKvParams("the prefill's answer has no kv_transfer_params")
     if not isinstance(params, dict):
-        raise AnswerError("the prefill's answer has no kv_transfer_params")
+        raise AnswerError("the prefill's kv_transfer_params are not an object")
     for name in _REQUIRED_IDS:
         value = params.get(name)
         if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
