@@ -27,7 +27,15 @@ from pdproc import envoy_messages as msg
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.breaker import POD_DOWN
 from pdproc.config import BootstrapPolicy
-from pdproc.connectors import AnswerError, ClientRequest, Concurrent, EngineMap, Legs, OnFailure
+from pdproc.connectors import (
+    AnswerError,
+    ClientRequest,
+    Concurrent,
+    EngineMap,
+    Legs,
+    NoKvParams,
+    OnFailure,
+)
 from pdproc.connectors.mooncake import BootstrapError
 from pdproc.errors import ErrorKind, ErrorReply
 from pdproc.prefill import EXHAUSTED, PrefillJob, PrefillOutcome
@@ -466,9 +474,11 @@ class Disaggregated(_BodyChecks):
                 body = connector.decode_body(
                     request, outcome.answer, self._target, self.context.service.admits
                 )
+            except NoKvParams as exc:
+                return self._alone(f"unusable prefill answer: {exc}")
             except AnswerError as exc:
                 # The pod's answer is refused: the decode serves the request alone (NIXL's
-                # failure rule), counted apart from a failed prefill.
+                # failure rule), counted apart from an unusable or failed prefill.
                 fail(self.context.span, str(exc))
                 return self._alone(f"prefill answer refused: {exc}", REFUSED_ANSWER)
             return self._decode(body)  # counted once the decode answers (response_headers)

@@ -63,6 +63,11 @@ class AnswerError(ValueError):
     source outside what the gateway admits): the pod's fault, never the client's."""
 
 
+class NoKvParams(AnswerError):
+    """A prefill's answer without KV to hand over (vLLM answers `kv_transfer_params: null`
+    when the prefill did not end length-capped): unusable, but not refused."""
+
+
 class OnFailure(Enum):
     """What a failed prefill means for the client."""
 

@@ -23,7 +23,7 @@ from typing import Any, TypeGuard
 
 import orjson
 
-from pdproc.connectors import AnswerError, ClientRequest, EngineMap, Legs, OnFailure
+from pdproc.connectors import AnswerError, ClientRequest, EngineMap, Legs, NoKvParams, OnFailure
 from pdproc.errors import shown
 from pdproc.request_body import KV_PARAMS, BodyError, dumps, prime_single_token, with_field
 from pdproc.targets import HostPort
@@ -75,17 +75,26 @@ def _plain_int(value: object) -> TypeGuard[int]:
     return type(value) is int and 0 <= value < 2**63
 
 
+def _ids(values: list[Any]) -> bool:
+    """Whether every value is a non-negative 64-bit integer (bools are not)."""
+    # set(map(type, ...)) runs in C (scripts/measure_nixl_answer_check.py: the whole check of
+    # a 128k-token prompt's 8,192 ids took 0.4 to 0.7 ms on two busy cores).
+    return set(map(type, values)) <= {int} and (
+        not values or (min(values) >= 0 and max(values) < 2**63)
+    )
+
+
 def _block_ids(value: object) -> bool:
     """vLLM sends one list of block ids per KV cache group (0.32); older releases and the
     llm-d contract a flat list. Either, bounded, of non-negative integers."""
     if not isinstance(value, list) or not value:
         return False
-    if all(_plain_int(b) for b in value):
-        return len(value) <= MAX_BLOCK_IDS
-    if len(value) > MAX_BLOCK_GROUPS or not all(isinstance(g, list) for g in value):
+    if type(value[0]) is not list:
+        return len(value) <= MAX_BLOCK_IDS and _ids(value)
+    if len(value) > MAX_BLOCK_GROUPS or not all(type(g) is list for g in value):
         return False
     total = sum(len(g) for g in value)
-    return 0 < total <= MAX_BLOCK_IDS and all(_plain_int(b) for g in value for b in g)
+    return 0 < total <= MAX_BLOCK_IDS and all(_ids(g) for g in value)
 
 
 def side_channel(host: object, port: object) -> HostPort:
@@ -113,8 +122,10 @@ def params_from_answer(answer: bytes, target: HostPort, admits: Admits) -> dict[
     except orjson.JSONDecodeError:
         raise AnswerError("the prefill's answer is not JSON") from None
     params = data.get(KV_PARAMS) if isinstance(data, dict) else None
+    if params is None:
+        raise NoKvParams("the prefill's answer has no kv_transfer_params")
     if not isinstance(params, dict):
-        raise AnswerError("the prefill's answer has no kv_transfer_params")
+        raise AnswerError("the prefill's kv_transfer_params are not an object")
     for name in _REQUIRED_IDS:
         value = params.get(name)
         if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:

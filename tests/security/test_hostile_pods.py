@@ -207,3 +207,16 @@ async def test_sglang_pod_answer_cannot_steer_the_decode(
     (prefill,) = pod.prefills()
     assert orjson.loads(prefill.body)["bootstrap_room"] == decode["bootstrap_room"]
     assert {k: v for k, v in decode.items() if not k.startswith("bootstrap_")} == CHAT
+
+
+async def test_nixl_answer_without_params_is_decode_only_not_refused(
+    pod: HostilePod, make_pdproc: MakePd
+) -> None:
+    """vLLM answers `kv_transfer_params: null` when its prefill did not end length-capped:
+    nothing to hand over, not a hostile answer (counted `decode_only`)."""
+    pod.on_prefill = nixl_answer(None)
+    pd = await make_pdproc(pod, kv_connector=KvConnector.NIXLV2)
+    outcome = await pd.play(CHAT_BYTES, prefill=pod.address)
+    assert (outcome.status, outcome.decode_body) == (200, CHAT_BYTES)
+    assert pd.sample("pdproc_requests_total", outcome="decode_only") == 1
+    assert pd.sample("pdproc_requests_total", outcome=REFUSED) == 0
