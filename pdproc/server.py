@@ -39,6 +39,7 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # The shortest restart of a real prefill engine (loading the model): engine-id maps younger
 # than this cannot be stale (bootstrap.py).
 RESTART_S = 30.0
+SWEEP_S = 1.0
 
 
 class Server:
@@ -63,6 +64,7 @@ class Server:
         self._web: web.AppRunner | None = None
         self.service: ExtProcService | None = None
         self._dns: DnsPool | None = None
+        self._breaker_sweep: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         s = self.settings
@@ -103,6 +105,7 @@ class Server:
             self.tracing,
             dns_pool=self._dns,
         )
+        self._breaker_sweep = asyncio.get_running_loop().create_task(_sweep(breakers))
         if not s.prefill and not s.prefill_dns and s.prefill_allow == AllowList():
             log.warning(
                 "no prefill pool and an empty --prefill-allow: every request is served by "
@@ -211,6 +214,8 @@ class Server:
                 log.error("shutdown abandoned %d in-flight prefills", left)
         if self._dns is not None:
             await self._dns.stop()
+        if self._breaker_sweep is not None:
+            self._breaker_sweep.cancel()
         if self._client is not None:
             await self._client.close()
         if self._web is not None:
@@ -236,6 +241,13 @@ class Server:
         lame_duck = min(self.settings.shutdown_delay, self.settings.drain_timeout)
         left = await self.stop(lame_duck_s=lame_duck)
         return 1 if left else 0
+
+
+async def _sweep(breakers: CircuitBreakers) -> None:
+    """Close open breakers nobody asks about any more (their gauge with them)."""
+    while True:
+        await asyncio.sleep(SWEEP_S)
+        breakers.forget_unasked()
 
 
 def connector_for(settings: Settings) -> Connector:
