@@ -169,6 +169,13 @@ class EngineMaps:
         engines = parse_engine_map(payload)
         previous = self._cache.get(target.host)
         if previous is not None and previous[0] != engines:
-            log.info("engine ids changed", extra={"prefill_target": str(target)})
+            # A map this young should not change (a restart takes longer): requests paired
+            # with it just now may wait for vLLM's abort timeout in their decode.
+            log.warning(
+                "engine ids changed within %.1f s of the previous query: the prefill pod "
+                "restarted faster than --engine-cache-ttl assumes",
+                sent - previous[1],
+                extra={"prefill_target": str(target)},
+            )
         self._cache[target.host] = (engines, sent)
         return engines
