@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -18,7 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from pdproc.bootstrap import EngineMaps
+from pdproc.bootstrap import EngineMaps, Siblings
 from pdproc.breaker import CircuitBreakers
 from pdproc.config import KvConnector, Settings
 from pdproc.connectors import Connector
@@ -26,7 +27,7 @@ from pdproc.connectors.mooncake import Mooncake
 from pdproc.connectors.nixlv2 import NixlV2
 from pdproc.connectors.sglang import SGLang
 from pdproc.discovery import DnsPool
-from pdproc.metrics import Metrics
+from pdproc.metrics import MULTIPROC_ENV, Metrics
 from pdproc.pod_http import new_session
 from pdproc.prefill import PrefillLauncher
 from pdproc.service import ExtProcService
@@ -78,6 +79,7 @@ class Server:
             size=s.engine_cache_size,
             refresh_s=s.engine_refresh,
             tracing=self.tracing,
+            siblings=_siblings(),
         )
         breakers = CircuitBreakers(
             s.breaker_failures,
@@ -241,6 +243,13 @@ class Server:
         lame_duck = min(self.settings.shutdown_delay, self.settings.drain_timeout)
         left = await self.stop(lame_duck_s=lame_duck)
         return 1 if left else 0
+
+
+def _siblings() -> Siblings | None:
+    """The other workers of this pdproc (--workers), if any: they share the metrics
+    directory the parent made."""
+    shared = os.environ.get(MULTIPROC_ENV)
+    return None if shared is None else Siblings(os.path.join(shared, "stale-engine-maps"))
 
 
 async def _sweep(breakers: CircuitBreakers) -> None:
