@@ -12,14 +12,18 @@ older map is never used: the request waits for a fresh query, and every request 
 for that query gets its answer. A map in use is re-queried in the background once older
 than `refresh_s`, so a busy pod's requests rarely wait. A failed prefill drops the pod's
 map at once (at most once a second). This holds in each process and each replica on its
-own: nothing needs to be shared. Concurrent queries for one pod are one query. Answers are
-read up to a bound and redirects are not followed.
+own. Worker processes of one pdproc (--workers) also tell each other (`Siblings`): a map
+one of them dropped, or found changed, is not used by the others either, so a pod that
+restarted faster than the bound and failed once is followed by every process. Concurrent
+queries for one pod are one query. Answers are read up to a bound and redirects are not
+followed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -37,6 +41,39 @@ from pdproc.telemetry import ATTR_CACHE, ATTR_ENGINES, ATTR_TARGET, Tracing, fai
 log = logging.getLogger(__name__)
 
 MIN_REFETCH_S = 1.0
+# File times come from the kernel's coarse clock (a tick behind time.time()): a map queried
+# this long after another worker's mark is still taken as older than the mark.
+_MARK_SLACK_S = 0.05
+
+
+class Siblings:
+    """What the worker processes of one pdproc tell each other about engine maps: a file
+    per prefill host whose modification time is the last moment one of them found that
+    host's map stale. One stat per lookup, no lock, nothing on the network."""
+
+    def __init__(self, directory: str) -> None:
+        self._directory = directory
+        os.makedirs(directory, exist_ok=True)
+
+    def _path(self, host: str) -> str:
+        # Hosts are DNS names or IP literals (targets.py): no "/" and no "..".
+        return os.path.join(self._directory, host)
+
+    def stale_since(self, host: str) -> float | None:
+        """When a process last found the host's map stale (wall-clock time), if ever."""
+        try:
+            return os.stat(self._path(host)).st_mtime
+        except OSError:
+            return None
+
+    def mark_stale(self, host: str) -> None:
+        path = self._path(host)
+        try:
+            with open(path, "a"):
+                pass
+            os.utime(path)
+        except OSError as exc:  # a full disk must not fail a request
+            log.warning("cannot tell the other workers about a stale engine map: %s", exc)
 
 
 class EngineMaps:
@@ -52,6 +89,7 @@ class EngineMaps:
         refresh_s: float = 0.0,
         tracing: Tracing | None = None,
         clock: Callable[[], float] = time.monotonic,
+        siblings: Siblings | None = None,
     ) -> None:
         self._client = client
         self._metrics = metrics
@@ -59,9 +97,11 @@ class EngineMaps:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._max_age = max_age_s
         self._clock = clock
-        # host -> (engine map, when its query was sent). The TTL only bounds memory: age is
-        # checked against the query's start, which the TTL (from the answer) outlives.
-        self._cache: TTLCache[str, tuple[EngineMap, float]] = TTLCache(
+        self._siblings = siblings
+        # host -> (engine map, when its query was sent, the same in wall-clock time for the
+        # siblings). The TTL only bounds memory: age is checked against the query's start,
+        # which the TTL (from the answer) outlives.
+        self._cache: TTLCache[str, tuple[EngineMap, float, float]] = TTLCache(
             maxsize=size, ttl=max_age_s, timer=clock
         )
         self._pending: dict[str, asyncio.Future[EngineMap]] = {}
@@ -76,7 +116,13 @@ class EngineMaps:
         if entry is None:
             return None
         age = self._clock() - entry[1]
-        return (entry[0], age) if age < self._max_age else None
+        if age >= self._max_age:
+            return None
+        if self._siblings is not None:
+            stale = self._siblings.stale_since(host)
+            if stale is not None and stale + _MARK_SLACK_S >= entry[2]:
+                return None  # another worker found it stale after this map was queried
+        return entry[0], age
 
     def prefetch(self, target: HostPort, span: Span | None = None) -> None:
         """Start a lookup early (while Envoy is still sending the body) if one is needed."""
@@ -108,6 +154,8 @@ class EngineMaps:
         if self._cache.pop(target.host, None) is not None:
             self._metrics.engine_cache.labels("invalidation").inc()
             log.info("engine-id cache entry dropped", extra={"prefill_target": str(target)})
+            if self._siblings is not None:
+                self._siblings.mark_stale(target.host)
 
     def _start_query(
         self, target: HostPort, parent: Span | None = None
@@ -144,7 +192,7 @@ class EngineMaps:
 
     async def _query(self, target: HostPort) -> EngineMap:
         url = target.url(self._port) + "/query"
-        sent = self._clock()
+        sent, sent_wall = self._clock(), time.time()
         started = time.perf_counter()
         try:
             async with self._client.get(
@@ -174,6 +222,17 @@ class EngineMaps:
         engines = parse_engine_map(payload)
         previous = self._cache.get(target.host)
         if previous is not None and previous[0] != engines:
-            log.info("engine ids changed", extra={"prefill_target": str(target)})
-        self._cache[target.host] = (engines, sent)
+            # A map this young should not change (a restart takes longer): requests paired
+            # with it just now may wait for vLLM's abort timeout in their decode.
+            log.warning(
+                "engine ids changed within %.1f s of the previous query: the prefill pod "
+                "restarted faster than --engine-cache-ttl assumes",
+                sent - previous[1],
+                extra={"prefill_target": str(target)},
+            )
+            if self._siblings is not None:
+                self._siblings.mark_stale(target.host)
+                # This map is the news, not what the mark retires.
+                sent_wall = time.time() + _MARK_SLACK_S
+        self._cache[target.host] = (engines, sent, sent_wall)
         return engines

@@ -10,7 +10,11 @@ another probe after the cooldown. Pure state machine with an injected clock.
 
 Only pods with failures have state, and at most `max_targets` of them (the least recently
 failing are forgotten, i.e. closed): targets can come from a header, so their number must
-not grow with what clients send.
+not grow with what clients send. An open breaker nobody asked about for `max_cooldown_s`
+after its cooldown ended is forgotten too (`forget_unasked`): without requests there is no
+probe, so it says nothing about the pod any more (a worker process that stopped getting
+traffic would otherwise report its pod down for ever), and the next request is the probe it
+would have been.
 """
 
 from __future__ import annotations
@@ -62,10 +66,24 @@ class CircuitBreakers:
         self._clock = clock
         self._on_change = on_change
         self._states = _States(max_targets, self._evicted)
+        self._open: set[HostPort] = set()
 
     def _evicted(self, target: HostPort, state: _State) -> None:
         if state.open_until is not None:
+            self._open.discard(target)
             self._changed(target, False)
+
+    def forget_unasked(self) -> None:
+        """Close the open breakers whose cooldown ended `max_cooldown_s` ago with no probe."""
+        now = self._clock()
+        for target in list(self._open):
+            state = self._states.get(target)
+            if state is None or state.open_until is None:
+                self._open.discard(target)
+            elif now - state.open_until > self._max_cooldown:
+                del self._states[target]
+                self._open.discard(target)
+                self._changed(target, False)
 
     def __len__(self) -> int:
         return len(self._states)
@@ -95,6 +113,7 @@ class CircuitBreakers:
             if state is not None:
                 del self._states[target]
                 if state.open_until is not None:
+                    self._open.discard(target)
                     self._changed(target, False)
             return
         if state is None:
@@ -106,6 +125,7 @@ class CircuitBreakers:
             state.cooldown_s = min(state.cooldown_s * 2, self._max_cooldown) if was_open else first
             state.open_until = self._clock() + state.cooldown_s
             if not was_open:
+                self._open.add(target)
                 self._changed(target, True)
 
     def _changed(self, target: HostPort, is_open: bool) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -19,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdproc import limits
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from pdproc.bootstrap import EngineMaps
+from pdproc.bootstrap import EngineMaps, Siblings
 from pdproc.breaker import CircuitBreakers
 from pdproc.config import KvConnector, Settings
 from pdproc.connectors import Connector
@@ -29,7 +30,7 @@ from pdproc.connectors.sglang import SGLang
 from pdproc.discovery import DnsPool
 from pdproc.http_site import BoundedTCPSite
 from pdproc.listeners import PortInUse
-from pdproc.metrics import Metrics
+from pdproc.metrics import MULTIPROC_ENV, Metrics
 from pdproc.pod_http import new_session
 from pdproc.prefill import PrefillLauncher
 from pdproc.service import ExtProcService
@@ -42,6 +43,7 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # The shortest restart of a real prefill engine (loading the model): engine-id maps younger
 # than this cannot be stale (bootstrap.py).
 RESTART_S = 30.0
+SWEEP_S = 1.0
 
 
 class Server:
@@ -71,6 +73,7 @@ class Server:
         self._web: web.AppRunner | None = None
         self.service: ExtProcService | None = None
         self._dns: DnsPool | None = None
+        self._breaker_sweep: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         s = self.settings
@@ -84,6 +87,7 @@ class Server:
             size=s.engine_cache_size,
             refresh_s=s.engine_refresh,
             tracing=self.tracing,
+            siblings=_siblings(),
         )
         breakers = CircuitBreakers(
             s.breaker_failures,
@@ -111,6 +115,7 @@ class Server:
             self.tracing,
             dns_pool=self._dns,
         )
+        self._breaker_sweep = asyncio.get_running_loop().create_task(_sweep(breakers))
         if not s.prefill and not s.prefill_dns and s.prefill_allow == AllowList():
             log.warning(
                 "no prefill pool and an empty --prefill-allow: every request is served by "
@@ -232,6 +237,8 @@ class Server:
                 log.error("shutdown abandoned %d in-flight prefills", left)
         if self._dns is not None:
             await self._dns.stop()
+        if self._breaker_sweep is not None:
+            self._breaker_sweep.cancel()
         if self._client is not None:
             await self._client.close()
         if self._web is not None:
@@ -257,6 +264,20 @@ class Server:
         lame_duck = min(self.settings.shutdown_delay, self.settings.drain_timeout)
         left = await self.stop(lame_duck_s=lame_duck)
         return 1 if left else 0
+
+
+def _siblings() -> Siblings | None:
+    """The other workers of this pdproc (--workers), if any: they share the metrics
+    directory the parent made."""
+    shared = os.environ.get(MULTIPROC_ENV)
+    return None if shared is None else Siblings(os.path.join(shared, "stale-engine-maps"))
+
+
+async def _sweep(breakers: CircuitBreakers) -> None:
+    """Close open breakers nobody asks about any more (their gauge with them)."""
+    while True:
+        await asyncio.sleep(SWEEP_S)
+        breakers.forget_unasked()
 
 
 def connector_for(settings: Settings) -> Connector:

@@ -91,7 +91,7 @@ class TransferRegistry:
 
     @property
     def waiting(self) -> int:
-        return sum(len(futures) for futures in self._waiters.values())
+        return sum(len(futures) for futures in self._waiters.values()) + len(self._orphans)
 
     def complete(self, transfer_id: str, result: TransferResult) -> None:
         now = self._clock()

@@ -141,3 +141,45 @@ def test_a_restarted_pod_costs_no_request_in_any_worker_or_replica(tmp_path: Pat
             st.sim_get("prefill", "/sim/stats")["engine_ids"].values()
         )
         assert failed() == HELD
+
+
+def test_a_pod_that_restarted_too_fast_and_failed_once_is_followed_by_every_worker(
+    tmp_path: Path,
+) -> None:
+    """The restart the bound does not cover: the pod is back with new ids at once, and its
+    first prefill fails in one worker. Before, the other worker kept its young, stale map
+    (about 1 run in 5 failed); now the workers tell each other, and no request after that
+    failure is lost."""
+    with running_stack(
+        ["--dp-ranks", "2", "--kv-timeout-s", "5"],
+        ["--workers", str(WORKERS)],
+        workdir=tmp_path,
+        envoy_config_hook=one_stream_per_connection,
+    ) as st:
+        target = {"x-prefiller-host-port": str(st.sim.prefill)}
+
+        def post() -> httpx.Response:
+            url = st.envoy.url + "/v1/chat/completions"
+            return httpx.post(url, json=CHAT, headers=target, timeout=60)
+
+        def serve_until_every_worker_served(since: float) -> None:
+            pids: set[int] = set()
+            for _ in range(MAX_REQUESTS):
+                response = post()
+                assert response.status_code == 200, response.text
+                pids = {line["pid"] for line in prefilled([st.pdproc], since)}
+                if len(pids) == WORKERS:
+                    return
+            raise AssertionError(f"only processes {pids} got requests")
+
+        serve_until_every_worker_served(0.0)
+        time.sleep(1.1)  # a map younger than a second survives failures (they come in bursts)
+        new_ids = set(st.sim_post("prefill", "/sim/restart")["engine_ids"].values())
+        st.sim_post("prefill", "/sim/faults", {"prefill_status": 500})
+        assert post().status_code == 502
+        st.sim_post("prefill", "/sim/faults", {"clear": True})
+        st.sim_post("decode", "/sim/reset")
+        since = time.time()
+        serve_until_every_worker_served(since)
+        assert {line["engine_id"] for line in prefilled([st.pdproc], since)} <= new_ids
+        assert st.sim_get("decode", "/sim/stats")["kv_failures"] == {}

@@ -35,8 +35,10 @@ MAX_REQUESTS = 400  # bound of each loop below
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # A breaker's first cooldown is 1 s whatever --breaker-cooldown says; 30 s keeps an open
+    # breaker nobody asks about from being forgotten while a test looks at it.
     args = ["--workers", "2", "--max-targets", str(MAX_TARGETS), "--breaker-failures", "1",
-            "--breaker-cooldown", "1", "--prefill-timeout", "30"]  # fmt: skip
+            "--breaker-cooldown", "30", "--prefill-timeout", "30"]  # fmt: skip
     with running_stack(
         ["--itl-ms", "1"],
         args,

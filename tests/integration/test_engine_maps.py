@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
 from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
 
-from pdproc.bootstrap import EngineMaps
+from pdproc.bootstrap import MIN_REFETCH_S, EngineMaps, Siblings
 from pdproc.metrics import Metrics
 from pdproc.pod_http import new_session
 from pdproc.targets import HostPort
@@ -100,7 +101,7 @@ async def test_every_request_waiting_on_a_query_gets_its_answer(
 
 
 async def test_a_young_map_is_used_and_refreshed_in_the_background(
-    pod: RunningPrefill, maps: tuple[EngineMaps, Clock]
+    pod: RunningPrefill, maps: tuple[EngineMaps, Clock], caplog: pytest.LogCaptureFixture
 ) -> None:
     engines, clock = maps
     old = await engines.get(target(pod))
@@ -113,6 +114,8 @@ async def test_a_young_map_is_used_and_refreshed_in_the_background(
         await asyncio.sleep(0.01)
     await asyncio.sleep(0)
     assert await engines.get(target(pod)) == new
+    # Ids that changed this fast break the design's assumption: the operator is told.
+    assert "restarted faster than --engine-cache-ttl assumes" in caplog.text
 
 
 async def test_a_prefetch_starts_a_query_for_a_map_too_old_to_use(
@@ -125,3 +128,36 @@ async def test_a_prefetch_starts_a_query_for_a_map_too_old_to_use(
     engines.prefetch(target(pod))
     assert await engines.get(target(pod)) == new
     assert await queries(pod) == 2  # the request waited for the prefetch, no second query
+
+
+async def test_workers_follow_a_map_another_worker_dropped(
+    pod: RunningPrefill, tmp_path: Path
+) -> None:
+    """Two workers of one pdproc (--workers), each with its own cache: the pod restarted
+    faster than the age bound and failed a prefill in one of them. The other does not pair
+    with its (young, stale) map either."""
+    clock = Clock()
+    assert pod.bootstrap_port is not None
+    async with new_session(16) as client:
+
+        def worker() -> EngineMaps:
+            return EngineMaps(
+                client,
+                Metrics(),
+                port=pod.bootstrap_port or 0,
+                timeout_s=5.0,
+                max_age_s=MAX_AGE,
+                size=16,
+                clock=clock,
+                siblings=Siblings(str(tmp_path / "shared")),
+            )
+
+        first, second = worker(), worker()
+        old = await first.get(target(pod))
+        assert await second.get(target(pod)) == old
+        clock.now += MIN_REFETCH_S + 0.5
+        new = await restart(pod)
+        first.invalidate(target(pod))  # its prefill failed
+        assert await second.get(target(pod)) == new
+        assert await first.get(target(pod)) == new
+        assert await queries(pod) == 4  # one each before, one each after

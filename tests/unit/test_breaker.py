@@ -74,3 +74,32 @@ def test_client_errors_do_not_count_against_the_pod() -> None:
     for _ in range(5):
         breakers.record(POD, "4xx")
     assert breakers.allow(POD)
+
+
+def test_an_open_breaker_nobody_asks_about_is_forgotten() -> None:
+    """No requests, no probe: after its cooldown and `max_cooldown_s` more, an open breaker
+    is closed (its gauge with it), and the next request is the probe."""
+    clock = Clock()
+    changes: list[bool] = []
+    breakers = CircuitBreakers(5, 10.0, clock, lambda _, is_open: changes.append(is_open))
+    breakers.record(POD, "connect_error")
+    clock.now += 1.0 + 10.0  # the 1 s cooldown, then max_cooldown_s
+    breakers.forget_unasked()
+    assert breakers.is_open(POD)  # not yet: strictly longer
+    clock.now += 0.1
+    breakers.forget_unasked()
+    assert not breakers.is_open(POD)
+    assert changes == [True, False]
+    assert len(breakers) == 0
+
+
+def test_an_open_breaker_with_requests_is_kept() -> None:
+    clock = Clock()
+    breakers = CircuitBreakers(5, 10.0, clock)
+    breakers.record(POD, "connect_error")
+    for _ in range(30):  # the pod stays down; requests keep probing it
+        clock.now += 1.0
+        if breakers.allow(POD):
+            breakers.record(POD, "connect_error")
+        breakers.forget_unasked()
+        assert breakers.is_open(POD)
