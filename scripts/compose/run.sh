@@ -87,7 +87,7 @@ log "pytest tests/compose"
 export PDPROC_COMPOSE_PROJECT=$project COMPOSE DOCKER
 # In the background and waited for, so that INT/TERM reach the teardown at once.
 # shellcheck disable=SC2086
-"$PYTHON" -m pytest -q -p no:cacheprovider tests/compose ${PYTEST_ARGS:-} &
+"$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 tests/compose ${PYTEST_ARGS:-} &
 child=$!
 wait "$child"
 child=
