@@ -7,7 +7,7 @@
 #   3. `make image`: the pdproc image offline from $DIST's wheels and a wheelhouse (tagged as
 #      the Kubernetes manifests reference it), then `compose build` (the simulator's image;
 #      pdproc's from the same layers)
-#   4. `compose up`, healthy services (v1 has no --wait: the tests' fixture polls health)
+#   4. `compose up` (v2: --wait; v1 has none: the tests' fixture polls health either way)
 #   5. pytest tests/compose through the published ports and the compose commands
 #   6. always: compose down, the engine stopped, the host put back (engine.sh stop)
 #
@@ -81,7 +81,9 @@ PY
 export PDPROC_HTTP_PORT PDPROC_ENVOY_ADMIN_PORT PDPROC_METRICS_PORT PDPROC_SIM_PREFILL_PORT PDPROC_SIM_DECODE_PORT
 log "compose up (project $project, Envoy on 127.0.0.1:$PDPROC_HTTP_PORT)"
 COMPOSE_READY=1
-$COMPOSE -p "$project" up -d --no-build 2>&1 | grep -v '^\s*$' >&2
+wait_flag=
+[ "$COMPOSE" != docker-compose ] && wait_flag=--wait # v2 waits for healthy services itself
+$COMPOSE -p "$project" up -d --no-build $wait_flag 2>&1 | grep -v '^\s*$' >&2
 
 log "pytest tests/compose"
 export PDPROC_COMPOSE_PROJECT=$project COMPOSE DOCKER
