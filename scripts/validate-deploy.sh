@@ -11,7 +11,8 @@
 #   - Envoy configs (deploy/compose/envoy.yaml, each EnvoyFilter on a model of an Istio
 #     gateway) with a pinned `envoy --mode validate`; PromQL with a real parser;
 #   - generated files: deploy/compose/envoy.yaml against `pdproc envoy-config`, the embedded
-#     Lua guard against pdproc's; docker-compose.yaml and the Dockerfile for shape.
+#     Lua guard against pdproc's; docker-compose.yaml and the Dockerfile for shape
+#     (`make test-compose` runs them).
 # A missing tool is an error, not a skip. Exits non-zero on any error. Details:
 # deploy/tools/validate.py. Extra arguments go to it (e.g. --overlay path/to/your/overlay).
 #

@@ -12,4 +12,4 @@ trap 'rm -rf "$context"' EXIT
 cp "$binary" "$context/envoy"
 "$DOCKER" build --quiet --build-arg "BASE_IMAGE=$BASE_IMAGE" \
   -f "$(dirname "$0")/../../deploy/compose/envoy-standin.Dockerfile" -t "$ENVOY_STANDIN_IMAGE" "$context" >/dev/null
-log "built $ENVOY_STANDIN_IMAGE: $("$DOCKER" run --rm "$ENVOY_STANDIN_IMAGE" envoy --version | grep -o 'version: [^ ]*')"
+log "built $ENVOY_STANDIN_IMAGE: $("$DOCKER" run --rm --network none "$ENVOY_STANDIN_IMAGE" envoy --version 2>/dev/null | grep -o 'version: [^ ]*')"

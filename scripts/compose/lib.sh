@@ -6,7 +6,7 @@
 # $PDPROC_COMPOSE_CACHE across runs (and engines), keyed on the Debian release.
 
 PDPROC_COMPOSE_ROOT=${PDPROC_COMPOSE_ROOT:-/var/tmp/pdproc-compose}
-PDPROC_COMPOSE_CACHE=${PDPROC_COMPOSE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pdproc/compose}
+PDPROC_COMPOSE_CACHE=${PDPROC_COMPOSE_CACHE:-${XDG_CACHE_HOME:-${HOME:-/var/cache}/.cache}/pdproc/compose}
 DEBIAN_RELEASE=${DEBIAN_RELEASE:-bookworm}
 # The base image every image here is built on: Debian minbase with Python from Debian.
 BASE_IMAGE=${BASE_IMAGE:-pdproc-base:$DEBIAN_RELEASE}

@@ -33,5 +33,6 @@ cp "${wheels[@]}" "$OUT/"
 log "wheelhouse $OUT: dependencies of ${wheels[*]##*/} for CPython $IMAGE_PYTHON, glibc $IMAGE_GLIBC, $ARCH"
 "$PYTHON" -m pip download --quiet --disable-pip-version-check --dest "$OUT" \
   --only-binary=:all: --implementation cp --python-version "$IMAGE_PYTHON" \
-  --abi "cp${IMAGE_PYTHON/./}" "${platforms[@]}" "${wheels[@]}"
+  --abi "cp${IMAGE_PYTHON/./}" "${platforms[@]}" "${wheels[@]}" \
+  2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 log "wheelhouse $OUT: $(ls "$OUT" | wc -l) wheels, $(du -sh "$OUT" | cut -f1)"
