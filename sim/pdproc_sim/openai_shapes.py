@@ -64,9 +64,13 @@ def role_kv_params(body: JsonObject, role: str, *, remote_decode: bool) -> JsonO
         return None
     if not isinstance(params, dict):
         raise BadRequest("kv_transfer_params must be an object")
-    if params.get("do_remote_decode") is not remote_decode or (
-        params.get("do_remote_prefill") is not (not remote_decode)
-    ):
+    # vLLM reads only the flag of its role (an absent one is false) and serves a request
+    # without either as a plain one.
+    remote_decode_flag = bool(params.get("do_remote_decode"))
+    remote_prefill_flag = bool(params.get("do_remote_prefill"))
+    if not (remote_decode_flag or remote_prefill_flag):
+        return None
+    if remote_decode_flag is not remote_decode or remote_prefill_flag is remote_decode:
         first, second = ("do_remote_decode", "do_remote_prefill")
         if not remote_decode:
             first, second = second, first
