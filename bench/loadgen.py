@@ -15,7 +15,10 @@ measured requests.
 
 With `--pd-prefill` and `--pd-bootstrap` the client plays the P/D router itself (the same
 bodies pdproc builds, from `pdproc.connectors.mooncake`): prefill and decode go straight to the
-simulator, concurrently. That is the floor of the protocol with no proxy in the way.
+simulator, concurrently. That is the floor of the protocol with no proxy in the way. With
+`--pd-prefill` and `--pd-nixl` it plays NIXL's router: the prefill first (the body pdproc
+builds, `pdproc.connectors.nixlv2`), then the decode with the prefill's `kv_transfer_params`;
+TTFT then counts from the prefill's first byte.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pdproc.connectors import mooncake
+from pdproc.connectors import mooncake, nixlv2
 from pdproc.request_body import KV_PARAMS, parse_body, with_field
 
 DEFAULT_PATH = "/v1/chat/completions"
@@ -68,6 +71,9 @@ class PdPlan:
     prefill_url: str
     prefill_template: bytes
     decode_template: bytes
+    # NIXL: the prefill first, its answer's kv_transfer_params into the client's body
+    nixl: bool = False
+    client_body: bytes = b""
 
 
 @dataclass
@@ -154,6 +160,8 @@ async def _one(
     try:
         if pd is None:
             return await _stream_one(session, url, body, headers, limits, upload_bytes_per_s)
+        if pd.nixl:
+            return await _nixl_one(session, url, pd, headers, limits)
         transfer = mooncake.new_transfer_id().encode()
         prefill = asyncio.create_task(
             _prefill_one(
@@ -175,6 +183,38 @@ async def _one(
         return "timeout"
     except aiohttp.ClientError as exc:
         return f"{type(exc).__name__}: {exc}"
+
+
+async def _nixl_one(
+    session: aiohttp.ClientSession,
+    url: str,
+    pd: PdPlan,
+    headers: dict[str, str],
+    limits: aiohttp.ClientTimeout,
+) -> tuple[float, float] | str:
+    """NIXL as its router does it: prefill, then the decode with the prefill's params. TTFT
+    and end-to-end count from the prefill's first byte."""
+    start = time.perf_counter()
+    prefill_headers = {"content-type": "application/json"}
+    async with session.post(
+        pd.prefill_url, data=pd.prefill_template, headers=prefill_headers, timeout=limits
+    ) as response:
+        answer = await response.read()
+        if response.status != 200:
+            return f"prefill_http_{response.status}"
+    try:
+        params = orjson.loads(answer)[KV_PARAMS]
+    except (ValueError, KeyError, TypeError):
+        return "prefill_answer_without_kv_transfer_params"
+    if not isinstance(params, dict):
+        return "prefill_answer_without_kv_transfer_params"
+    parsed = parse_body(pd.client_body)
+    decode_body = with_field(pd.client_body, parsed, KV_PARAMS, params)
+    offset = (time.perf_counter() - start) * 1000
+    result = await _stream_one(session, url, decode_body, headers, limits)
+    if isinstance(result, str):
+        return result
+    return result[0] + offset, result[1] + offset
 
 
 @dataclass(frozen=True)
@@ -334,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pd-prefill", help="client-side P/D: prefill base URL")
     parser.add_argument("--pd-bootstrap", help="client-side P/D: bootstrap base URL")
     parser.add_argument(
+        "--pd-nixl", action="store_true", help="client-side P/D with NIXL (prefill, then decode)"
+    )
+    parser.add_argument(
         "--sync",
         action="store_true",
         help='after the warm-up, print {"phase": "warm"} and wait for a line on stdin',
@@ -344,7 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     body = make_body(args.size, args.max_tokens)
     pd = None
-    if args.pd_prefill or args.pd_bootstrap:
+    if args.pd_nixl:
+        if not args.pd_prefill:
+            raise SystemExit("--pd-nixl needs --pd-prefill")
+        template = nixlv2.prefill_body(args.path, parse_body(body))
+        pd = PdPlan(args.pd_prefill.rstrip("/") + args.path, template, b"", True, body)
+    elif args.pd_prefill or args.pd_bootstrap:
         if not (args.pd_prefill and args.pd_bootstrap):
             raise SystemExit("--pd-prefill and --pd-bootstrap go together")
         pd = await _pd_plan(

@@ -65,13 +65,10 @@ def _nonempty_str(params: Mapping[str, Any], name: str, where: str) -> str:
     return value
 
 
-def request_id(headers: Mapping[str, str], connector: str, role: str) -> str | None:
-    """The leg's x-request-id; nixlv2 legs must carry one (llm-d sends the same id on both,
-    the simulator uses it to pair them)."""
-    value = headers.get(REQUEST_ID_HEADER) or None
-    if value is None and connector == NIXLV2:
-        raise BadRequest(f"the nixlv2 {role} needs an x-request-id header (both legs carry one)")
-    return value
+def request_id(headers: Mapping[str, str]) -> str | None:
+    """The leg's x-request-id (llm-d sends the same on both nixlv2 legs; when both carry one,
+    the simulated decode checks they match). vLLM requires none."""
+    return headers.get(REQUEST_ID_HEADER) or None
 
 
 # --- prefill leg ---------------------------------------------------------------------------
@@ -101,20 +98,17 @@ def prefill_ticket(
     if connector == MOONCAKE:
         transfer_id = params.get("transfer_id")
         if not isinstance(transfer_id, str) or not transfer_id:
-            raise BadRequest("Missing transfer_id in kv_transfer_params from router!")
-        return PrefillTicket(MOONCAKE, transfer_id, request_id(headers, connector, "prefill"))
-    for name in ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port"):
-        if params.get(name) is not None:
-            raise BadRequest(
-                f"the nixlv2 prefill expects kv_transfer_params.{name} null or absent "
-                "(a value asks for a decode-to-prefill pull, which is not simulated)"
-            )
+            # vLLM logs "Missing transfer_id in kv_transfer_params from router!" and serves
+            # the request without keeping its KV.
+            return None
+        return PrefillTicket(MOONCAKE, transfer_id, request_id(headers))
+    # NIXL's prefill reads only do_remote_decode: any remote_* values are ignored.
     if stream:
         raise BadRequest(
             "the nixlv2 prefill must be stream=false: the decode needs the "
             "kv_transfer_params of its JSON answer"
         )
-    return PrefillTicket(NIXLV2, None, request_id(headers, connector, "prefill"))
+    return PrefillTicket(NIXLV2, None, request_id(headers))
 
 
 def sglang_room(body: JsonObject) -> int | None:
@@ -183,7 +177,7 @@ def decode_ticket(
             f"{where}.remote_block_ids must be a non-empty list of integers "
             "(or one such list per KV cache group)"
         )
-    rid = request_id(headers, connector, "decode")
+    rid = request_id(headers)
     url = f"http://{_host(host)}:{port}"
     return DecodeTicket(NIXLV2, remote_request, url, engine_id, blocks, rid)
 

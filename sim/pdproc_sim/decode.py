@@ -288,7 +288,8 @@ def _judge(ticket: DecodeTicket, digest: str, result: TransferResult) -> KvFailu
                 f"request {key} holds blocks {list(result.block_ids)}, "
                 f"the decode was told {list(ticket.block_ids)}",
             )
-        if result.request_id != ticket.request_id:
+        both = result.request_id is not None and ticket.request_id is not None
+        if both and result.request_id != ticket.request_id:
             return KvFailure(
                 "request_id_mismatch",
                 f"the prefill of {key} carried x-request-id {result.request_id!r}, "

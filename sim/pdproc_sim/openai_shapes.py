@@ -64,9 +64,13 @@ def role_kv_params(body: JsonObject, role: str, *, remote_decode: bool) -> JsonO
         return None
     if not isinstance(params, dict):
         raise BadRequest("kv_transfer_params must be an object")
-    if params.get("do_remote_decode") is not remote_decode or (
-        params.get("do_remote_prefill") is not (not remote_decode)
-    ):
+    # vLLM reads only the flag of its role (an absent one is false) and serves a request
+    # without either as a plain one.
+    remote_decode_flag = bool(params.get("do_remote_decode"))
+    remote_prefill_flag = bool(params.get("do_remote_prefill"))
+    if not (remote_decode_flag or remote_prefill_flag):
+        return None
+    if remote_decode_flag is not remote_decode or remote_prefill_flag is remote_decode:
         first, second = ("do_remote_decode", "do_remote_prefill")
         if not remote_decode:
             first, second = second, first
@@ -186,6 +190,10 @@ def _sse(payload: JsonObject, event: str | None = None) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+# What vLLM 0.32 answers beside the OpenAI fields (read from a real engine's answers: the
+# contract test in tests/engines/ compares the two).
+SYSTEM_FINGERPRINT = "vllm-0.32.0-pdproc-sim"
+VLLM_TAIL_FIELDS: dict[str, None] = {"ec_transfer_params": None, "metrics": None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,8 +246,10 @@ class Completion:
             }
         return {
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.n_tokens,
             "total_tokens": total,
+            "completion_tokens": self.n_tokens,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
         }
 
     def body(self) -> JsonObject:
@@ -252,6 +262,9 @@ class Completion:
         result = builders[self.api]()
         # vLLM returns the field on every completion; null because nothing is left to hand on.
         result["kv_transfer_params"] = None
+        if self.api in (Api.CHAT, Api.COMPLETIONS):
+            # vLLM 0.32's other fields of a chat / completion answer, null unless asked for.
+            result.update(VLLM_TAIL_FIELDS)
         return result
 
     def _envelope(self, prefix: str, obj: str) -> JsonObject:
@@ -268,11 +281,19 @@ class Completion:
             "message": {"role": "assistant", "content": self.text},
             "logprobs": None,
             "finish_reason": self.finish_reason,
+            "stop_reason": None,
+            "token_ids": None,
+            "routed_experts": None,
         }
         return {
             **self._envelope("chatcmpl", "chat.completion"),
             "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "usage": self.usage(),
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "prompt_text": None,
         }
 
     def _completions_body(self) -> JsonObject:
@@ -281,10 +302,17 @@ class Completion:
             "text": self.text,
             "logprobs": None,
             "finish_reason": self.finish_reason,
+            "stop_reason": None,
+            "token_ids": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "routed_experts": None,
         }
         return {
             **self._envelope("cmpl", "text_completion"),
             "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "usage": self.usage(),
         }
 
@@ -333,8 +361,22 @@ class Completion:
         if self.api is Api.CHAT:
             return _sse(self._chat_chunk({"content": text}, finish))
         if self.api is Api.COMPLETIONS:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            return _sse({**self._envelope("cmpl", "text_completion"), "choices": [choice]})
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "token_ids": None,
+                "prompt_token_ids": None,
+            }
+            return _sse(
+                {
+                    **self._envelope("cmpl", "text_completion"),
+                    "choices": [choice],
+                    "system_fingerprint": SYSTEM_FINGERPRINT,
+                }
+            )
         delta = {
             "type": "response.output_text.delta",
             "sequence_number": index + 1,
@@ -367,5 +409,18 @@ class Completion:
         return frames
 
     def _chat_chunk(self, delta: JsonObject, finish: str | None) -> JsonObject:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {**self._envelope("chatcmpl", "chat.completion.chunk"), "choices": [choice]}
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": None,
+            "token_ids": None,
+        }
+        return {
+            **self._envelope("chatcmpl", "chat.completion.chunk"),
+            "choices": [choice],
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "prompt_token_ids": None,
+            "prompt_text": None,
+        }

@@ -17,6 +17,7 @@ from tests.engines.recorder import Exchange, recording_proxy, shape
 
 SCENARIO = [
     ("/v1/completions", False),
+    ("/v1/completions", True),
     ("/v1/chat/completions", True),
 ]
 SIM_CONNECTOR = {"nixl": "nixlv2", "mooncake": "mooncake"}
@@ -67,7 +68,8 @@ def scenario_fields(
             for path, stream in SCENARIO:
                 answer = send(front.url, path, openai_body(path, prompt("contract"), stream))
                 assert answer.status == 200, (name, path, answer.body)
-        return {**leg_fields("prefill", p_rec.exchanges), **leg_fields("decode", d_rec.exchanges)}
+        seen = {**leg_fields("prefill", p_rec.exchanges), **leg_fields("decode", d_rec.exchanges)}
+    return {**seen, **probe_statuses(prefill.connector, prefill.url)}
 
 
 def sim_fields(connector: str, workdir: Path) -> dict[str, set[str]]:
@@ -99,4 +101,40 @@ def differences(real: dict[str, set[str]], sim: dict[str, set[str]]) -> list[str
         only_sim = sorted(sim[key] - real[key])
         if only_real or only_sim:
             out.append(f"{key}: real only {only_real}; sim only {only_sim}")
+    return out
+
+
+# Requests a router could get wrong, sent straight to the prefill: the status each gets.
+# The real prefill logs a warning and serves them (200). Only prefill probes: the same kind
+# of mistake on the decode leg (do_remote_prefill without remote_block_ids, NIXL; without
+# remote_bootstrap_addr, Mooncake) kills vLLM 0.32's EngineCore (an AssertionError in the
+# NIXL scheduler; a KeyError in Mooncake's once the request is aborted), so the suite cannot
+# send it to the pair it shares; the simulator answers those with a 400 instead
+# (docs/engines.md).
+def _nixl_probes() -> dict[str, tuple[dict[str, Any], dict[str, str]]]:
+    return {
+        "prefill: remote_* fields set": (
+            {"do_remote_decode": True, "remote_port": 1, "remote_host": "127.0.0.1"},
+            {"x-request-id": "probe-1"},
+        ),
+        "prefill: no x-request-id": ({"do_remote_decode": True}, {}),
+    }
+
+
+def _mooncake_probes() -> dict[str, tuple[dict[str, Any], dict[str, str]]]:
+    return {"prefill: no transfer_id": ({"do_remote_decode": True}, {})}
+
+
+def probe_statuses(connector: str, prefill_url: str) -> dict[str, set[str]]:
+    probes = _nixl_probes() if connector == "nixl" else _mooncake_probes()
+    out: dict[str, set[str]] = {}
+    for name, (params, headers) in probes.items():
+        body = openai_body("/v1/completions", prompt("probe"), False, max_tokens=1)
+        body["kv_transfer_params"] = params
+        try:
+            answer = send(prefill_url, "/v1/completions", body, timeout_s=60, headers=headers)
+        except TimeoutError:
+            out[f"probe {name} status"] = {"no answer in 60 s"}
+        else:
+            out[f"probe {name} status"] = {str(answer.status)}
     return out

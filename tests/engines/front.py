@@ -9,7 +9,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,7 @@ def running_front(
     decode: Engine,
     replicas: int = 1,
     workers: str = "0",
+    extra: Sequence[str] = (),
 ) -> Iterator[Front]:
     """`replicas` pdproc processes (each `--workers` as given; "0", pdproc's default, is one
     per usable CPU), the prefill engine as their pool, Envoy routing to the decode."""
@@ -84,6 +85,7 @@ def running_front(
     ]
     if prefill.connector == "mooncake":
         args += ["--mooncake-bootstrap-port", str(prefill.side_port)]
+    args += extra
     started: list[tuple[Process, HostPort, HostPort]] = []
     envoy: Envoy | None = None
     try:

@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -272,6 +272,7 @@ def engine(
     model: Path,
     workdir: Path,
     libcuda: Path | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Engine:
     """An engine ready to start: flags, environment, free ports (loopback only)."""
     port, side_port = free_port(), free_port()
@@ -328,6 +329,7 @@ def engine(
         "bfloat16",
         "--kv-transfer-config",
         json.dumps(config),
+        *extra_args,
     ]
     name = f"{connector}-{role}"
     return Engine(name, role, connector, port, argv, env, workdir / f"{name}.log", side_port)
@@ -335,12 +337,16 @@ def engine(
 
 @contextlib.contextmanager
 def running_pair(
-    connector: str, model: Path, workdir: Path, libcuda: Path | None = None
+    connector: str,
+    model: Path,
+    workdir: Path,
+    libcuda: Path | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[tuple[Engine, Engine]]:
     """A prefill and a decode engine, started together, ready, always stopped."""
     workdir.mkdir(parents=True, exist_ok=True)
-    prefill = engine(connector, "prefill", model, workdir, libcuda)
-    decode = engine(connector, "decode", model, workdir, libcuda)
+    prefill = engine(connector, "prefill", model, workdir, libcuda, extra_args)
+    decode = engine(connector, "decode", model, workdir, libcuda, extra_args)
     try:
         prefill.start()
         decode.start()

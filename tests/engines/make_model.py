@@ -23,7 +23,8 @@ TEXT = (
     "the prefill computes a prompt and the decode pulls its keys and values over the wire "
     "envoy asks pdproc which pod prefills each request then sends the decode its body "
     "a small model answers with random words because its weights are random numbers "
-    "tell me a story about the sea the mountain the river and the city at night"
+    "tell me a story about the sea the mountain the river and the city at night "
+    "the quick brown fox jumps over the lazy dog"
 )
 
 

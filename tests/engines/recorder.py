@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 from pdproc_sim.devstack import free_port
 
+SESSION = web.AppKey("session", aiohttp.ClientSession)
 HOP_BY_HOP = {
     "connection",
     "keep-alive",
@@ -73,7 +74,7 @@ def recording_proxy(upstream: str) -> Iterator[Recorder]:
     async def handle(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        session: aiohttp.ClientSession = request.app["session"]
+        session: aiohttp.ClientSession = request.app[SESSION]
         async with session.request(
             request.method,
             recorder.upstream + request.path_qs,
@@ -108,11 +109,11 @@ def recording_proxy(upstream: str) -> Iterator[Recorder]:
 
     async def start() -> None:
         app = web.Application()
-        app["session"] = aiohttp.ClientSession()
+        app[SESSION] = aiohttp.ClientSession()
         app.router.add_route("*", "/{tail:.*}", handle)
 
         async def close_session(app: web.Application) -> None:
-            await app["session"].close()
+            await app[SESSION].close()
 
         app.on_cleanup.append(close_session)
         runner = web.AppRunner(app, access_log=None)

@@ -12,7 +12,6 @@ The tests run in file order: the last two kill the prefill, then restart it.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,8 +44,9 @@ HANG_PROBE_S = 10.0
 # Every request right after a prefill restart gets an answer or a clear error within this.
 RESTART_BOUND_S = 60.0
 RESTART_REQUESTS = 6
-# The stale-map fix (issue 19 item 11) is on another branch until it is merged.
-STALE_MAP_FIXED = os.environ.get("PDPROC_STALE_MAP_FIXED") == "1"
+# A front whose engine-id maps outlive any restart: it shows what the default
+# --engine-cache-ttl (below a real engine's restart time) prevents.
+LONG_TTL = ("--engine-cache-ttl", "3600")
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +62,11 @@ def fronts(pair: tuple[Engine, Engine], engines_workdir: Path) -> Iterator[dict[
     with (
         running_front("default-workers", workdir, prefill, decode) as single,
         running_front("two-replicas", workdir, prefill, decode, replicas=2) as double,
+        running_front(
+            "long-ttl", workdir, prefill, decode, workers="1", extra=LONG_TTL
+        ) as long_ttl,
     ):
-        yield {"default-workers": single, "two-replicas": double}
+        yield {"default-workers": single, "two-replicas": double, "long-ttl": long_ttl}
 
 
 def engine_ids(prefill: Engine) -> set[str]:
@@ -192,33 +195,37 @@ def test_prefill_killed_fast_clear_error(
     prefill, decode = pair
     front = fronts["default-workers"]
     pair[0].extra["ids_before_kill"] = engine_ids(prefill)
-    # every process of the two-replica front holds a map of the live engine ids
-    for _ in range(4):
+    # the other fronts' processes hold maps of the live engine ids
+    for name in ("two-replicas", "two-replicas", "two-replicas", "two-replicas", "long-ttl"):
         path = "/v1/completions"
-        warm = send(fronts["two-replicas"].url, path, openai_body(path, prompt("warm"), False))
+        warm = send(fronts[name].url, path, openai_body(path, prompt("warm"), False))
         assert warm.status == 200, warm.body
     prefill.kill()
     for path, stream in ROUTES:
         answer = send(front.url, path, openai_body(path, prompt("killed"), stream), timeout_s=120)
-        assert answer.status == 502, answer.body
+        # 502 for the failed prefill; once the pod's breaker opened, 503 without trying it
+        assert answer.status in (502, 503), answer.body
         assert answer.body["object"] == "error"
         assert answer.seconds < PREFILL_DOWN_BOUND_S
-        measured(f"mooncake, prefill killed, {path} stream={stream}: 502 in {answer.seconds:.3f} s")
+        measured(
+            f"mooncake, prefill killed, {path} stream={stream}: "
+            f"{answer.status} in {answer.seconds:.3f} s"
+        )
     eventually(lambda: decode_busy(decode) == 0, PREFILL_DOWN_BOUND_S, "decode left idle")
 
 
-@pytest.mark.xfail(
-    not STALE_MAP_FIXED,
-    strict=True,
-    reason="needs the stale-map fix (issue 19 item 11)",
-)
 def test_prefill_restart_with_new_engine_id_loses_no_request(
     pair: tuple[Engine, Engine], fronts: dict[str, Front]
 ) -> None:
     """The prefill comes back with a new engine id. The two-replica front sent nothing while
     it was down (the worst case: no failure warned pdproc). RESTART_REQUESTS requests at once
     right after: each gets a 200 or a clear JSON error within RESTART_BOUND_S; none is left
-    to the decode's silent wait. Then both fronts serve P/D again."""
+    to the decode's silent wait. Then both fronts serve P/D again.
+
+    pdproc pairs no request with an engine map older than --engine-cache-ttl (15 s, below any
+    real restart; issue 19 item 11). The code before that change kept maps 60 s and passed
+    this test too on this machine, whose engines take minutes to restart (longer than 60 s);
+    the next test shows on the real pair what a map older than the restart costs."""
     prefill, _ = pair
     prefill.start()
     measured(f"mooncake, prefill restarted: ready again in {prefill.wait_ready():.0f} s")
@@ -253,3 +260,18 @@ def test_prefill_restart_with_new_engine_id_loses_no_request(
         answer = send(front_after.url, path, openai_body(path, text, False))
         assert answer.status == 200, answer.body
         assert answer.text == local.text
+
+
+def test_a_map_older_than_the_restart_loses_the_request(
+    pair: tuple[Engine, Engine], fronts: dict[str, Front]
+) -> None:
+    """Why --engine-cache-ttl must stay below a restart: the long-ttl front (ttl 3600 s)
+    still pairs with the engine id from before the restart, and the real decode then waits
+    silently (HANG_PROBE_S watched; it would wait 900 s). pdproc warns at start-up about a
+    ttl of 30 s or more."""
+    prefill, decode = pair
+    assert prefill.alive(), "needs the restarted prefill of the test before"
+    path = "/v1/completions"
+    with pytest.raises(TimeoutError):
+        send(fronts["long-ttl"].url, path, openai_body(path, prompt("stale"), False), HANG_PROBE_S)
+    eventually(lambda: decode_busy(decode) == 0, 60, "the decode drops the abandoned request")

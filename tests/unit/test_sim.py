@@ -91,15 +91,38 @@ async def wait_for_stat(client: httpx.AsyncClient, url: str, key: str, value: An
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
+    "params",
+    [
+        {"do_remote_decode": True},  # no transfer_id (vLLM: "Missing transfer_id ...")
+        {**prefill_kv(), "do_remote_decode": False},  # neither flag set
+        prefill_kv(""),
+    ],
+)
+async def test_prefill_serves_params_without_a_transfer_as_vllm_does(
+    pair: tuple[RunningPrefill, RunningDecode],
+    client: httpx.AsyncClient,
+    params: dict[str, Any],
+) -> None:
+    """A real vLLM prefill logs a warning and serves such a request without keeping its KV
+    (measured by the contract test in tests/engines/): 200, nothing shipped."""
+    prefill, _ = pair
+    response = await client.post(
+        prefill.url + CHAT, json=chat_body(max_tokens=1, kv_transfer_params=params)
+    )
+    assert response.status_code == 200, response.text
+    stats = (await client.get(prefill.url + "/sim/stats")).json()
+    assert stats["transfers"]["shipped"] == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
     ("body", "fragment"),
     [
         (chat_body(max_tokens=1, kv_transfer_params="x"), "must be an object"),
-        (chat_body(max_tokens=1, kv_transfer_params={"do_remote_decode": True}), "do_remote"),
         (
-            chat_body(max_tokens=1, kv_transfer_params={**prefill_kv(), "do_remote_decode": False}),
+            chat_body(max_tokens=1, kv_transfer_params={**prefill_kv(), "do_remote_prefill": True}),
             "do_remote_decode=true",
         ),
-        (chat_body(max_tokens=1, kv_transfer_params=prefill_kv("")), "transfer_id"),
         (chat_body(max_tokens=1, min_tokens=2, kv_transfer_params=prefill_kv()), "min_tokens"),
         (chat_body(max_tokens=1, n=2, kv_transfer_params=prefill_kv()), "n=2"),
         (chat_body(max_tokens=1, best_of=3, kv_transfer_params=prefill_kv()), "best_of=3"),
