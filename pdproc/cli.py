@@ -43,7 +43,7 @@ def resolve(
     settings = declared()
     unknown = sorted(set(file_values) - {s.name for s in settings})
     if unknown:
-        raise ConfigError(f"unknown key(s) in config file: {', '.join(unknown)}")
+        raise ConfigError(f"config file: {unknown_key_message(unknown[0])}")
     values: dict[str, Any] = {}
     for setting in settings:
         found = _given(setting, args, env, file_values)
@@ -81,38 +81,115 @@ def _given(
     return None
 
 
+def unknown_key_message(key: str) -> str:
+    """An unknown settings key, with the nearest known one (a typo is the usual cause)."""
+    import difflib
+
+    names = [s.name for s in declared()]
+    near = difflib.get_close_matches(key.replace("-", "_"), names, n=1, cutoff=0.6)
+    hint = f" (did you mean {near[0]}?)" if near else " (the keys are the flags' names)"
+    return f"unknown key {key!r}{hint}"
+
+
 def load_config_file(path: str | None) -> dict[str, Any]:
+    """The YAML settings file as a mapping of setting names (dashes or underscores)."""
     if not path:
         return {}
     import yaml
 
-    data = yaml.safe_load(Path(path).read_text("utf-8")) or {}
+    try:
+        data = yaml.safe_load(Path(path).read_text("utf-8")) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else path
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of settings")
+        raise ConfigError(f"{path}: expected a mapping of settings (key: value lines)")
+    known = {s.name for s in declared()}
+    for key in data:
+        if str(key).replace("-", "_") not in known:
+            raise ConfigError(f"{path}: {unknown_key_message(str(key))}")
     return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+# serve --help: the settings in groups (a setting not listed here lands in the last group).
+SETTING_GROUPS: dict[str, tuple[str, ...]] = {
+    "listening and TLS": ("listen", "tls_cert", "tls_key", "tls_client_ca", "workers"),
+    "prefill targets": (
+        "prefill",
+        "prefill_dns",
+        "dns_refresh",
+        "prefill_allow",
+        "pd_path",
+        "pd_min_prompt",
+    ),
+    "KV connector and bootstrap": (
+        "kv_connector",
+        "mooncake_bootstrap_port",
+        "sglang_bootstrap_port",
+        "bootstrap_timeout",
+        "engine_cache_ttl",
+        "engine_refresh",
+        "on_bootstrap_error",
+    ),
+    "timeouts (keep them in step with the Envoy filter)": (
+        "prefill_timeout",
+        "envoy_message_timeout",
+        "envoy_max_message_timeout",
+    ),
+    "limits and resilience": (
+        "max_body_bytes",
+        "stream_body_bytes",
+        "max_inflight_bytes",
+        "max_prefill_connections",
+        "max_targets",
+        "breaker_failures",
+        "breaker_cooldown",
+    ),
+    "shutdown": ("drain_timeout", "shutdown_delay", "trace_flush_timeout"),
+    "observability (tracing: the OTEL_* variables, see README)": (
+        "metrics_listen",
+        "log_level",
+        "log_format",
+        "log_bodies",
+    ),
+}
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "serve",
         help="run the ext_proc processor",
+        usage="pdproc serve [--config FILE] [options]  (options by group below)",
         description="Run the ext_proc processor. Each flag can also be set by the environment "
         "variable shown and by the same key (dashes or underscores) in the --config YAML file; "
         "precedence: flag > environment > file > default.",
     )
-    parser.add_argument("--config", help="YAML file of settings (keys as the flags, no dashes).")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML file of settings: one `key: value` per line, the key being the flag without "
+        "its leading -- (prefill-timeout: 30, or prefill_timeout: 30); lists for repeatable "
+        "settings.",
+    )
+    groups = {
+        title: parser.add_argument_group(title) for title in [*SETTING_GROUPS, "other settings"]
+    }
+    group_of = {name: title for title, names in SETTING_GROUPS.items() for name in names}
     for setting in declared():
+        group = groups[group_of.get(setting.name, "other settings")]
         default = setting.shown_default() or "none"
         repeat = "; repeatable" if setting.option.repeat else ""
         help_text = (
             f"{setting.option.help} [env {', '.join(setting.envs)}; default {default}{repeat}]"
         )
         if setting.option.switch:
-            parser.add_argument(
+            group.add_argument(
                 setting.flag, dest=setting.name, action="store_const", const="true", help=help_text
             )
             continue
-        parser.add_argument(
+        group.add_argument(
             setting.flag,
             dest=setting.name,
             action="append" if setting.option.repeat else "store",
@@ -246,15 +323,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from pdproc.logs import setup_logging
     from pdproc.server import run
-    from pdproc.telemetry import provider_from_env
+    from pdproc.telemetry import describe_tracing, propagator_from_env, provider_from_env
 
     try:
         settings = resolve(args, os.environ, load_config_file(args.config))
         tracer_provider = provider_from_env()
+        propagator_from_env()  # an unknown OTEL_PROPAGATORS name stops here, not in a worker
     except (ConfigError, OSError, ValueError) as exc:
         print(f"pdproc serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, settings.log_format)
+    logging.getLogger("pdproc").info(describe_tracing())
     from pdproc.limits import apply_descriptor_limit, needed_descriptors
     from pdproc.listeners import PortInUse, check_ports_free
     from pdproc.workers import run_workers, worker_count

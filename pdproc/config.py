@@ -65,36 +65,50 @@ def _setting(default: Any, help: str, parse: Callable[[str], Any] = str, **kw: A
     return field(default=default, metadata={"option": option})
 
 
+def _float(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a number") from None
+
+
+def _int(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a whole number") from None
+
+
 def _positive(value: str) -> float:
-    number = float(value)
+    number = _float(value)
     if not number > 0:
         raise ValueError(f"{value} is not positive")
     return number
 
 
 def _non_negative(value: str) -> float:
-    number = float(value)
+    number = _float(value)
     if not number >= 0:
         raise ValueError(f"{value} is negative")
     return number
 
 
 def _count(value: str) -> int:
-    number = int(value)
+    number = _int(value)
     if number < 1:
         raise ValueError(f"{value} is not a positive integer")
     return number
 
 
 def _non_negative_int(value: str) -> int:
-    number = int(value)
+    number = _int(value)
     if number < 0:
         raise ValueError(f"{value} is negative")
     return number
 
 
 def _port(value: str) -> int:
-    port = int(value)
+    port = _int(value)
     if not 0 < port < 65536:
         raise ValueError(f"port {value} out of range")
     return port
@@ -337,8 +351,17 @@ class Declared:
         """A value from its text (or list of texts, for repeatable settings)."""
         if self.option.repeat:
             items = raw if isinstance(raw, list) else [raw]
-            return self.option.combine([self.option.parse(str(item)) for item in items])
-        return self.option.parse(str(raw))
+            return self.option.combine([self._parse_one(str(item)) for item in items])
+        return self._parse_one(str(raw))
+
+    def _parse_one(self, text: str) -> Any:
+        parse = self.option.parse
+        if isinstance(parse, type) and issubclass(parse, Enum):
+            # Enum's own message ("'x' is not a valid KvConnector") names no choice.
+            choices = [str(member.value) for member in parse]
+            if text not in choices:
+                raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
+        return parse(text)
 
     def shown_default(self) -> str | None:
         value = self.default

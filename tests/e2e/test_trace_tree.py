@@ -9,11 +9,13 @@ that trace, and the prefill request must carry it on.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import grpc
@@ -200,3 +202,143 @@ def test_one_trace_from_envoy_through_pdproc_to_the_prefill(
     roots = [s for s in spans if s.parent_id not in by_id]
     assert len(roots) == 1
     assert roots[0].service == "gateway"
+
+
+class ZipkinCollector(ThreadingHTTPServer):
+    """Zipkin's v2 JSON span endpoint (POST /api/v2/spans), as Envoy's Zipkin tracer posts."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _ZipkinHandler)
+        self.spans: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return list(self.spans)
+
+
+class _ZipkinHandler(BaseHTTPRequestHandler):
+    server: ZipkinCollector
+
+    def do_POST(self) -> None:
+        if "content-length" in self.headers:
+            body = self.rfile.read(int(self.headers["content-length"]))
+        else:  # chunked, as Envoy's async client sends it
+            body = b""
+            while size := int(self.rfile.readline().split(b";")[0], 16):
+                body += self.rfile.read(size)
+                self.rfile.readline()
+            self.rfile.readline()
+        with self.server.lock:
+            self.server.spans.extend(json.loads(body or b"[]"))
+        self.send_response(202)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def zipkin() -> Iterator[ZipkinCollector]:
+    server = ZipkinCollector()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=10)
+
+
+def with_envoy_zipkin(port: int) -> Any:
+    """Envoy's Zipkin tracer (B3 headers, as Envoy Gateway or Istio set up with Zipkin
+    tracing send them), 128-bit trace ids, every request sampled."""
+
+    def hook(bootstrap: dict[str, Any]) -> None:
+        listener = bootstrap["static_resources"]["listeners"][0]
+        manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        manager["tracing"] = {
+            "random_sampling": {"value": 100},
+            "provider": {
+                "name": "envoy.tracers.zipkin",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.config.trace.v3.ZipkinConfig",
+                    "collector_cluster": "zipkin",
+                    "collector_endpoint": "/api/v2/spans",
+                    "collector_endpoint_version": "HTTP_JSON",
+                    "trace_id_128bit": True,
+                },
+            },
+        }
+        address = {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+        bootstrap["static_resources"]["clusters"].append(
+            {
+                "name": "zipkin",
+                "type": "STATIC",
+                "connect_timeout": "1s",
+                "load_assignment": {
+                    "cluster_name": "zipkin",
+                    "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
+                },
+            }
+        )
+
+    return hook
+
+
+def test_b3_trace_from_a_zipkin_traced_envoy_joins(
+    collector: tuple[Collector, int], zipkin: ZipkinCollector
+) -> None:
+    """OTEL_PROPAGATORS=b3multi: Envoy's Zipkin tracer hands pdproc B3 headers in the
+    ext_proc call's metadata; pdproc's spans join Envoy's trace and the prefill request
+    carries B3 headers on."""
+    servicer, port = collector
+    env = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "OTEL_PROPAGATORS": "b3multi",
+        "OTEL_SERVICE_NAME": "pdproc-b3",
+    }
+    with running_stack(
+        ["--itl-ms", "5"],
+        envoy_config_hook=with_envoy_zipkin(zipkin.server_address[1]),
+        pdproc_env=env,
+    ) as st:
+        response = httpx.post(
+            st.envoy.url + "/v1/chat/completions",
+            json=CHAT,
+            headers={"x-prefiller-host-port": str(st.sim.prefill)},
+            timeout=30,
+        )
+        assert response.status_code == 200
+        prefill = st.sim_get("prefill", "/sim/requests")["requests"][-1]
+
+        def ours() -> Span | None:
+            spans = [s for s in servicer.snapshot() if s.service == "pdproc-b3"]
+            if not any(s.name == "pdproc.prefill" for s in spans):
+                return None
+            return next((s for s in spans if s.name == "pdproc.request"), None)
+
+        request: Span = eventually(ours, timeout_s=30)
+        prefill_span = next(
+            s
+            for s in servicer.snapshot()
+            if s.name == "pdproc.prefill" and s.trace_id == request.trace_id
+        )
+
+        # Envoy flushes Zipkin spans every 5 s (or every 5 spans).
+        def envoy_spans() -> list[dict[str, Any]] | None:
+            found = [s for s in zipkin.snapshot() if s.get("traceId") == request.trace_id]
+            return found or None
+
+        gateway = eventually(envoy_spans, timeout_s=30)
+
+    # One trace: pdproc's request span hangs under one of Envoy's Zipkin spans.
+    assert request.parent_id in {s["id"] for s in gateway}
+    assert prefill_span.parent_id == request.span_id
+    # The prefill pod got B3 headers (b3multi), with pdproc's prefill span as the parent.
+    headers = prefill["headers"]
+    assert headers["x-b3-traceid"] == request.trace_id
+    assert headers["x-b3-spanid"] == prefill_span.span_id
+    assert "traceparent" not in headers

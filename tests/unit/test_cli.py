@@ -101,7 +101,104 @@ def test_serve_reports_config_errors_without_a_traceback(
     config = tmp_path / "bad.yaml"
     config.write_text("nope: 1\n")
     assert main(["serve", "--config", str(config)]) == 2
-    assert "unknown key(s) in config file: nope" in capsys.readouterr().err
+    assert f"{config}: unknown key 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        # Enum settings list their choices (not "'mooncak' is not a valid KvConnector").
+        (
+            ["--kv-connector", "mooncak"],
+            "--kv-connector: 'mooncak' is not one of mooncake, nixlv2, sglang",
+        ),
+        (
+            ["--on-bootstrap-error", "drop"],
+            "--on-bootstrap-error: 'drop' is not one of reject, decode-only",
+        ),
+        # Numbers say what is wrong (not "could not convert string to float").
+        (["--prefill-timeout", "abc"], "--prefill-timeout: 'abc' is not a number"),
+        (["--workers", "two"], "--workers: 'two' is not a whole number"),
+        (["--mooncake-bootstrap-port", "8998.5"], "'8998.5' is not a whole number"),
+    ],
+)
+def test_bad_flag_values_say_what_is_wrong(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert "Traceback" not in err
+
+
+def test_malformed_yaml_names_file_and_line_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "pdproc.yaml"
+    config.write_text("prefill-timeout: 30\nprefill:\n  - a:8000\n bad: [\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pdproc serve: {config}, line 4, column 2: not valid YAML")
+    assert "<unicode string>" not in err
+    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1
+
+
+def test_mistyped_key_names_the_file_and_the_nearest_key(tmp_path: Path) -> None:
+    config = tmp_path / "pdproc.yaml"
+    config.write_text("prefil-timeout: 30\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config_file(str(config))
+    assert (
+        str(caught.value)
+        == f"{config}: unknown key 'prefil-timeout' (did you mean prefill_timeout?)"
+    )
+    config.write_text("zzzz: 1\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'zzzz' \(the keys are the flags' names\)"):
+        load_config_file(str(config))
+
+
+def test_yaml_keys_with_dashes_work_as_help_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "pdproc.yaml"
+    config.write_text("prefill-timeout: 7\nbreaker_failures: 3\n")
+    settings = resolve(namespace(), {}, load_config_file(str(config)))
+    assert (settings.prefill_timeout, settings.breaker_failures) == (7.0, 3)
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "no dashes" not in help_text
+    assert "or prefill_timeout: 30)" in help_text  # dashes or underscores
+
+
+def test_serve_help_groups_every_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    from pdproc.cli import SETTING_GROUPS
+
+    grouped = [name for names in SETTING_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(s.name for s in declared())
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    positions = [help_text.index(f"\n{title}:\n") for title in SETTING_GROUPS]
+    assert positions == sorted(positions)
+    # Each flag under its group's heading.
+    for title, names in SETTING_GROUPS.items():
+        start = help_text.index(f"\n{title}:\n")
+        following = [help_text.find(f"\n{t}:\n", start + 1) for t in SETTING_GROUPS]
+        end = min([p for p in following if p > start] or [len(help_text)])
+        for name in names:
+            assert "--" + name.replace("_", "-") in help_text[start:end], (title, name)
+
+
+def test_unknown_propagator_stops_serve_with_the_choices(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OTEL_PROPAGATORS", "b3,jaeger")
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "OTEL_PROPAGATORS: unknown propagator 'jaeger'" in err
+    assert "tracecontext, baggage, b3, b3multi, none" in err
 
 
 def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
