@@ -263,8 +263,8 @@ MUTATIONS = [
     Mutation(
         "lua-guard-edited-by-hand",
         "deploy/istio/envoyfilter.yaml",
-        'local KV_KEY = "kv_transfer_params"',
-        'local KV_KEY = "kv_transfer_param"',
+        "kv_transfer_params = true,",
+        "kv_transfer_param = true,",
         "embedded Lua differs from pdproc/envoy/*.lua",
     ),
     Mutation(
