@@ -432,6 +432,10 @@ def test_deploy_manifests_pass(script_run: subprocess.CompletedProcess[str]) -> 
         assert check in out, f"{check!r} did not run:\n{out}"
 
 
+# The first of these tests sets up mutation_runs: every mutation's validator run (two at a
+# time, a few seconds each on an idle machine). pytest-timeout's 300 s covers that set-up too,
+# which a machine shared by several test runs exceeded; this is a bound, not a measurement.
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.id for m in MUTATIONS])
 def test_validator_catches(
     mutation_runs: dict[str, subprocess.CompletedProcess[str]], mutation: Mutation
