@@ -71,6 +71,7 @@ def fronts(
     connector: str, prefill: harness.Engine, decode: harness.Engine, workdir: Path
 ) -> Iterator[Bench]:
     """Every configuration in front of the pair, stopped together."""
+    workdir.mkdir(parents=True, exist_ok=True)
     pair = _pair_view(prefill, decode)
     targets: dict[str, Target] = {}
     skipped: dict[str, str] = {}
