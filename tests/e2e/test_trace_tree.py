@@ -327,10 +327,11 @@ def test_b3_trace_from_a_zipkin_traced_envoy_joins(
             if s.name == "pdproc.prefill" and s.trace_id == request.trace_id
         )
 
-        # Envoy flushes Zipkin spans every 5 s (or every 5 spans).
+        # Envoy flushes Zipkin spans every 5 s (or every 5 spans), not all in one report: wait
+        # for the span pdproc names as its parent (never there if pdproc started a new trace).
         def envoy_spans() -> list[dict[str, Any]] | None:
             found = [s for s in zipkin.snapshot() if s.get("traceId") == request.trace_id]
-            return found or None
+            return found if request.parent_id in {s["id"] for s in found} else None
 
         gateway = eventually(envoy_spans, timeout_s=30)
 
