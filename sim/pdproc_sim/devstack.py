@@ -227,10 +227,18 @@ def start_pdproc(
         metrics_url = chosen_metrics.url()
         try:
             wait_for(lambda url=metrics_url: http_get(url + "/readyz")[0] == 200, name, proc=proc)
-        except RuntimeError:
+        except BaseException as exc:
+            # A pdproc that never got ready (timed out, interrupted) is stopped here: the
+            # caller never gets its handle, so nobody else would.
+            proc.stop()
             picked_here = listen is None or metrics is None
             lost_race = "already in use by another process" in proc.tail()
-            if picked_here and lost_race and attempt + 1 < _PORT_ATTEMPTS:
+            if (
+                isinstance(exc, RuntimeError)
+                and picked_here
+                and lost_race
+                and attempt + 1 < _PORT_ATTEMPTS
+            ):
                 continue
             raise
         return proc, chosen, chosen_metrics
