@@ -93,6 +93,7 @@ SOURCES = (
             "networking.istio.io/v1alpha3/EnvoyFilter",
             "networking.istio.io/v1/DestinationRule",
             "security.istio.io/v1/PeerAuthentication",
+            "telemetry.istio.io/v1/Telemetry",
         ),
     ),
     Source(
