@@ -125,6 +125,13 @@ MUTATIONS = [
         "  tracing:\n",
         "only one of targetRefs or selector can be set",
     ),
+    Mutation(
+        "istio-telemetry-selects-no-gateway",
+        "deploy/istio/tracing/telemetry.yaml",
+        "gateway-name: inference-gateway",
+        "gateway-name: inference-gw",
+        "selects Gateway 'inference-gw', which is not in this set",
+    ),
     # --- pdproc's settings: names (README's settings table), values, budgets
     Mutation(
         "env-name-in-a-patch",

@@ -551,6 +551,10 @@ def _routes_and_pools(
         _service_port(index, report, pool.where, epp["name"], epp.get("port", {}).get("number"))
 
 
+# The label Istio puts on the pods it deploys for a Gateway API Gateway.
+GATEWAY_NAME_LABEL = "gateway.networking.k8s.io/gateway-name"
+
+
 def _istio(
     docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
 ) -> None:
@@ -617,6 +621,23 @@ def _istio(
         match = re.fullmatch(r"([^.]+)\.([^.]+)\.svc\.cluster\.local", dr.spec["host"])
         if match and ("Service", match.group(1)) not in index:
             report.error(dr.where, f"host {dr.spec['host']} names no Service in this set")
+    # A Telemetry that selects no gateway pods is accepted by Istio and traces nothing.
+    gateways = {(d.name, d.namespace) for d in docs if d.kind == "Gateway"}
+    for tel in (d for d in docs if d.kind == "Telemetry"):
+        labels = (tel.spec.get("selector") or {}).get("matchLabels") or {}
+        named = [labels[GATEWAY_NAME_LABEL]] if GATEWAY_NAME_LABEL in labels else []
+        named += [
+            ref.get("name")
+            for ref in tel.spec.get("targetRefs") or []
+            if ref.get("kind") == "Gateway"
+        ]
+        for gateway in named:
+            if (str(gateway), tel.namespace) not in gateways:
+                report.error(
+                    tel.where,
+                    f"selects Gateway {gateway!r}, which is not in this set in namespace "
+                    f"{tel.namespace or '(none)'}: it would trace nothing",
+                )
 
 
 # ------------------------------------------------------------------------------ EPP
