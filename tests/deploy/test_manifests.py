@@ -170,6 +170,13 @@ MUTATIONS = [
         "pdproc has a CPU limit (2) above its request",
     ),
     Mutation(
+        "inflight-bytes-past-the-memory-limit",
+        "deploy/kubernetes/base/deployment.yaml",
+        'value: "301989888"',
+        'value: "402653184"',
+        "PDPROC_MAX_INFLIGHT_BYTES 402653184 exceeds (memory limit 2Gi - 256Mi) / 6",
+    ),
+    Mutation(
         "pdb-min-available",
         "deploy/kubernetes/base/pdb.yaml",
         "maxUnavailable: 1",
