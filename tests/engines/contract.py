@@ -12,7 +12,7 @@ from typing import Any
 from pdproc_sim.devstack import start_sim
 
 from tests.engines.front import openai_body, prompt, running_front, send
-from tests.engines.harness import Engine
+from tests.engines.harness import Engine, measured
 from tests.engines.recorder import Exchange, recording_proxy, shape
 
 SCENARIO = [
@@ -102,6 +102,17 @@ def differences(real: dict[str, set[str]], sim: dict[str, set[str]]) -> list[str
         if only_real or only_sim:
             out.append(f"{key}: real only {only_real}; sim only {only_sim}")
     return out
+
+
+def compare(prefill: Engine, decode: Engine, workdir: Path, sim_connector: str) -> list[str]:
+    """The scenario through the real pair and through pdproc-sim (`sim_connector`): the
+    differences, each also recorded among the measured lines."""
+    real = scenario_fields(prefill, decode, workdir / "real", "real")
+    sim = sim_fields(sim_connector, workdir / "sim")
+    found = differences(real, sim)
+    for line in found:
+        measured(f"{prefill.connector} contract difference: {line}")
+    return found
 
 
 # Requests a router could get wrong, sent straight to the prefill: the status each gets.
