@@ -122,6 +122,12 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         p50 = [r["ttft_ms"]["p50"] for r in good if r["ttft_ms"]["p50"] is not None]
         p99 = [r["ttft_ms"]["p99"] for r in good if r["ttft_ms"]["p99"] is not None]
         cpu = [r["proxy_cpu_ms_per_req"] for r in good if r.get("proxy_cpu_ms_per_req") is not None]
+        inside = [
+            r["pdproc_processing_ms_mean"]
+            for r in good
+            if r.get("pdproc_processing_ms_mean") is not None
+        ]
+        added = _added_over_client_pd(rows, config, concurrency)
         out.append(
             {
                 "config": config,
@@ -133,8 +139,32 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "ttft_p99_ms": statistics.median(p99) if p99 else None,
                 "ttft_p99_range": (min(p99), max(p99)) if p99 else None,
                 "proxy_cpu_ms_per_req": statistics.median(cpu) if cpu else None,
+                "pdproc_processing_ms": statistics.median(inside) if inside else None,
+                "added_ttft_p50_ms": statistics.median(added) if added else None,
+                "added_ttft_p50_range": (min(added), max(added)) if added else None,
             }
         )
+    return out
+
+
+def _added_over_client_pd(rows: list[dict[str, Any]], config: str, concurrency: int) -> list[float]:
+    """TTFT p50 minus the client-P/D cell's of the same round: paired, so a slow round of the
+    engines (they share two cores) cancels out instead of swamping a millisecond."""
+    if config == "client-pd":
+        return []
+
+    def p50(name: str, round_no: int) -> float | None:
+        for r in rows:
+            same_cell = (r["config"], r["concurrency"], r["round"]) == (name, concurrency, round_no)
+            if same_cell and r.get("ok") and r["ttft_ms"]["p50"] is not None:
+                return float(r["ttft_ms"]["p50"])
+        return None
+
+    out = []
+    for round_no in sorted({r["round"] for r in rows}):
+        mine, base = p50(config, round_no), p50("client-pd", round_no)
+        if mine is not None and base is not None:
+            out.append(mine - base)
     return out
 
 
@@ -147,15 +177,18 @@ def table(connector: str, summary: list[dict[str, Any]]) -> str:
 
     lines = [
         f"| {connector} | c | TTFT p50 ms (range over rounds) | TTFT p99 ms (range) "
-        "| proxy CPU ms/req | rounds | failed |",
-        "|---|---|---|---|---|---|---|",
+        "| minus client P/D, paired per round: p50 ms (range) "
+        "| proxy CPU ms/req | in pdproc ms/req | rounds | failed |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary:
         lines.append(
             f"| {row['config']} | {row['concurrency']} "
             f"| {ms(row['ttft_p50_ms'])}{spread(row['ttft_p50_range'])} "
             f"| {ms(row['ttft_p99_ms'])}{spread(row['ttft_p99_range'])} "
-            f"| {ms(row['proxy_cpu_ms_per_req'])} | {row['rounds']} | {row['failed']} |"
+            f"| {ms(row['added_ttft_p50_ms'])}{spread(row['added_ttft_p50_range'])} "
+            f"| {ms(row['proxy_cpu_ms_per_req'])} | {ms(row['pdproc_processing_ms'])} "
+            f"| {row['rounds']} | {row['failed']} |"
         )
     return "\n".join(lines)
 
