@@ -230,6 +230,8 @@ def run_connector(
                         request_timeout_s=120,
                     )
                     rows.append(row)
+                    # Kept as it grows: an hour of engines is not lost to a late failure.
+                    (args.out / f"{connector}.rows.json").write_bytes(orjson.dumps(rows))
                     ttft = row.get("ttft_ms", {}).get("p50")
                     print(
                         f"{connector} round {round_no} c={c} {name}: ok={row.get('ok')} "

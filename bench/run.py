@@ -370,7 +370,10 @@ class Snapshot:
 
 
 def _sim_stats(target: Target) -> dict[str, Any]:
-    status, body = devstack.http_get(target.sim.decode.url() + "/sim/stats")
+    try:
+        status, body = devstack.http_get(target.sim.decode.url() + "/sim/stats")
+    except OSError:  # a real engine has no /sim/stats, and a loaded one may not answer at all
+        return {}
     return orjson.loads(body) if status == 200 else {}
 
 
