@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from enum import Enum
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from pdproc import envoy_messages as msg
+from pdproc import extproc_messages as msg
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.errors import ErrorKind, ErrorReply
-from pdproc.processors import Deferred, RequestProcessor
-
-if TYPE_CHECKING:
-    from pdproc.service import ExtProcService
+from pdproc.ledger import Ledger
+from pdproc.metrics import Outcome
+from pdproc.processors import Abort, Deferred, RequestProcessor
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +42,25 @@ class Phase(Enum):
     DONE = "done"  # an immediate response went out: Envoy is closing the stream
 
 
+class Requests(Protocol):
+    """Where a stream's request gets its processor (pdproc.service.ExtProcService)."""
+
+    def open_request(
+        self,
+        headers: dict[str, str],
+        end_of_stream: bool,
+        *,
+        single_message: bool,
+        call_metadata: Callable[[], Mapping[str, str]],
+        abort: Abort,
+    ) -> RequestProcessor: ...
+
+    def ledger(self, path: str) -> Ledger: ...
+
+
 class Stream:
-    def __init__(self, service: ExtProcService, context: ServicerContext) -> None:
-        self._service = service
+    def __init__(self, requests: Requests, context: ServicerContext) -> None:
+        self._requests = requests
         self._context = context
         self.phase = Phase.REQUEST_HEADERS
         self._processor: RequestProcessor | None = None
@@ -67,8 +82,7 @@ class Stream:
                 # fail open, and the client would pass unchecked).
                 log.warning("unreadable ext_proc message: %s", exc)
                 reply = ErrorReply(ErrorKind.BAD_REQUEST, "request headers are not valid UTF-8")
-                self._service.count("", reply.kind.value)
-                await self._write(msg.immediate(reply))
+                await self._write(self._refuse(reply))
                 return
             if message is grpc.aio.EOF:
                 return  # Envoy resets the stream right after: leave now
@@ -84,18 +98,29 @@ class Stream:
             await self._deliver(answer)
 
     def _internal_error(self) -> msg.Response:
-        reply = ErrorReply(ErrorKind.INTERNAL, "internal error in pdproc")
+        return self._refuse(ErrorReply(ErrorKind.INTERNAL, "internal error in pdproc"))
+
+    def _refuse(self, reply: ErrorReply) -> msg.Response:
+        """Answer in Envoy's place, counted in the request's ledger (a stream that never
+        became a request gets one of its own)."""
         if self._processor is not None:
             return self._processor.context.reject(reply)
+        self._requests.ledger("").record(Outcome.of(reply.kind))
         return msg.immediate(reply)
 
     def close(self) -> None:
+        """The stream ended, whatever ended it: its request's ledger is settled here."""
         for task in self._background:
             task.cancel()
-        if self._processor is not None:
-            # Ended before the decode's answer reached the client: the client left (or
-            # Envoy gave up). Counted once, whatever the phase.
-            self._processor.close(abandoned=not self._answered and self.phase is not Phase.DONE)
+        processor = self._processor
+        if processor is None:
+            return
+        # Ended before the decode's answer reached the client: the client left (or Envoy
+        # gave up), at whatever phase.
+        outcome = processor.close(abandoned=not self._answered and self.phase is not Phase.DONE)
+        if outcome is not None:
+            processor.context.finish(outcome)
+        processor.context.close()
 
     async def _answer(self, message: pb.ProcessingRequest) -> msg.Response | Deferred:
         kind = message.WhichOneof("request")
@@ -140,7 +165,7 @@ class Stream:
     def _open(
         self, headers: dict[str, str], end_of_stream: bool, *, single_message: bool
     ) -> RequestProcessor:
-        processor = self._service.open_request(
+        processor = self._requests.open_request(
             headers,
             end_of_stream,
             single_message=single_message,
