@@ -124,43 +124,48 @@ class Stream:
 
     async def _answer(self, message: pb.ProcessingRequest) -> msg.Response | Deferred:
         kind = message.WhichOneof("request")
-        processor = self._processor
         if kind == "request_headers":
-            if self.phase is not Phase.REQUEST_HEADERS or processor is not None:
-                log.warning("duplicate request headers message; answered without processing")
-                return msg.CONTINUE_REQUEST_HEADERS
-            headers = msg.header_dict(message.request_headers)
-            end = message.request_headers.end_of_stream
-            processor = self._open(headers, end, single_message=False)
-            self.phase = Phase.RESPONSE_HEADERS if end else Phase.REQUEST_BODY
-            return await processor.request_headers()
+            return await self._request_headers(message.request_headers)
         if kind == "request_body":
-            if processor is None and self.phase is Phase.REQUEST_HEADERS:
-                # Single-message mode (request headers SKIP): the headers came as attributes.
-                attributes = msg.headers_from_attributes(message)
-                if attributes is None:
-                    return msg.CONTINUE_REQUEST_BODY  # a body before any headers
-                processor = self._open(attributes, False, single_message=True)
-                self.phase = Phase.REQUEST_BODY
-            if processor is None or self.phase is not Phase.REQUEST_BODY:
-                return msg.CONTINUE_REQUEST_BODY  # a repeated end_of_stream
-            if message.request_body.end_of_stream:
-                self.phase = Phase.RESPONSE_HEADERS
-            return await processor.request_body(message.request_body)
+            return await self._request_body(message)
         if kind == "response_headers":
             self.phase = Phase.RESPONSE
-            if processor is None:
+            if self._processor is None:
                 return msg.CONTINUE_RESPONSE_HEADERS
-            return processor.response_headers(message.response_headers)
+            return self._processor.response_headers(message.response_headers)
         if kind == "request_trailers":
-            if processor is None or self.phase is not Phase.REQUEST_BODY:
+            if self._processor is None or self.phase is not Phase.REQUEST_BODY:
                 return msg.CONTINUE_REQUEST_TRAILERS
             self.phase = Phase.RESPONSE_HEADERS
-            return processor.request_trailers()
+            return self._processor.request_trailers()
         if kind in msg.CONTINUE:
             return msg.CONTINUE[kind]
         log.warning("unexpected ext_proc message %r ignored", kind)
         return msg.CONTINUE_REQUEST_BODY
+
+    async def _request_headers(self, headers: pb.HttpHeaders) -> msg.Response | Deferred:
+        if self.phase is not Phase.REQUEST_HEADERS or self._processor is not None:
+            log.warning("duplicate request headers message; answered without processing")
+            return msg.CONTINUE_REQUEST_HEADERS
+        end = headers.end_of_stream
+        processor = self._open(msg.header_dict(headers), end, single_message=False)
+        self.phase = Phase.RESPONSE_HEADERS if end else Phase.REQUEST_BODY
+        return await processor.request_headers()
+
+    async def _request_body(self, message: pb.ProcessingRequest) -> msg.Response | Deferred:
+        processor = self._processor
+        if processor is None and self.phase is Phase.REQUEST_HEADERS:
+            # Single-message mode (request headers SKIP): the headers came as attributes.
+            attributes = msg.headers_from_attributes(message)
+            if attributes is None:
+                return msg.CONTINUE_REQUEST_BODY  # a body before any headers
+            processor = self._open(attributes, False, single_message=True)
+            self.phase = Phase.REQUEST_BODY
+        if processor is None or self.phase is not Phase.REQUEST_BODY:
+            return msg.CONTINUE_REQUEST_BODY  # a repeated end_of_stream
+        if message.request_body.end_of_stream:
+            self.phase = Phase.RESPONSE_HEADERS
+        return await processor.request_body(message.request_body)
 
     def _open(
         self, headers: dict[str, str], end_of_stream: bool, *, single_message: bool
