@@ -646,8 +646,11 @@ class ConcurrentPair(Disaggregated):
             if self._response_seen:
                 self.context.finish(Outcome.PD)
             return
-        self.context.finish(Outcome.of(prefill_error(result).kind))
-        if not self._response_seen:
+        if self._response_seen:
+            # The decode answered already: its error (or its held answer, aborted from
+            # `_held`) is what the client sees; the request is counted as the prefill's.
+            self.context.finish(Outcome.of(prefill_error(result).kind))
+        else:
             self._abort(self._aborted(result, "before_response"))
 
     def _answered_unlaunched(self, headers: pb.HttpHeaders) -> Answer:
@@ -682,9 +685,11 @@ class ConcurrentPair(Disaggregated):
 
     def _aborted(self, outcome: PrefillOutcome, when: str) -> msg.Response:
         """The one abort path: the decode is cancelled and the client gets the error."""
+        reply = prefill_error(outcome)
+        self.context.finish(Outcome.of(reply.kind))
         self._deps.metrics.aborts.labels(when).inc()
         fail(self.context.span, outcome.error or outcome.outcome.value)
-        return msg.immediate(prefill_error(outcome))
+        return msg.immediate(reply)
 
     def close(self, *, abandoned: bool) -> Outcome | None:
         self._budget.release()
