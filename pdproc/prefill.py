@@ -285,12 +285,12 @@ class PrefillLauncher:
         self._metrics.prefill_finished(job.target, max(left, 0))
         outcome = job.outcome.result()
         if job.span is not None:
-            job.span.set_attribute(ATTR_PREFILL_OUTCOME, outcome.outcome)
+            job.span.set_attribute(ATTR_PREFILL_OUTCOME, outcome.outcome.value)
             job.span.set_attribute(ATTR_DURATION_MS, round(outcome.duration_s * 1000, 3))
             if outcome.status is not None:
                 job.span.set_attribute(ATTR_STATUS, outcome.status)
             if not outcome.ok:
-                fail(job.span, outcome.error or outcome.outcome)
+                fail(job.span, outcome.error or outcome.outcome.value)
             job.span.end()
         self._metrics.prefills.labels(outcome.outcome).inc()
         self._metrics.prefill_seconds.observe(outcome.duration_s)
@@ -299,7 +299,7 @@ class PrefillLauncher:
             "prefill_target": str(job.target),
             **job.legs.facts,
             "path": job.path,
-            "prefill_outcome": outcome.outcome,
+            "prefill_outcome": outcome.outcome.value,
             "prefill_status": outcome.status,
             "prefill_ms": round(outcome.duration_s * 1000, 3),
             **job.log_fields,
