@@ -167,7 +167,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return SequentialPair(context, self.deps, connector, target, min_prompt=min_prompt)
 
     def ledger(self, path: str) -> Ledger:
-        """A ledger for a stream that never became a request (its first message unreadable)."""
+        """A ledger for a stream that never became a request (its first message unreadable,
+        or a bug before its processor existed)."""
         return Ledger(self, path)
 
     def count(self, path: str, outcome: Outcome) -> None:
