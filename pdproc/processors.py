@@ -310,6 +310,9 @@ class Disaggregated:
         self._job: PrefillJob | None = None
         self._response_seen = False
         self._busy_s = 0.0
+        # Body bytes a streamed request holds against --max-inflight-bytes until its end:
+        # those that arrived, chunk by chunk (pdproc.budget; only ConcurrentPair streams).
+        self._budget = deps.budget.holding()
         if context.span is not None:
             context.span.set_attribute(ATTR_TARGET, str(target))
             context.span.set_attribute(ATTR_CONNECTOR, connector.name)
@@ -447,6 +450,7 @@ class Disaggregated:
         raise NotImplementedError
 
     def close(self, *, abandoned: bool) -> Outcome | None:
+        self._budget.release()
         if not abandoned or self.context.finished:
             return None
         job = self._job
@@ -541,9 +545,6 @@ class ConcurrentPair(Disaggregated):
         self._connector = connector
         self._abort = abort
         self._streamed: StreamedBody | None = None
-        # Body bytes a streamed request holds against --max-inflight-bytes until its end:
-        # those that arrived, chunk by chunk (pdproc.budget).
-        self._budget = deps.budget.holding()
 
     def _headers_answer(self) -> msg.Response:
         length = self._streamable_length()
@@ -690,10 +691,6 @@ class ConcurrentPair(Disaggregated):
         self._deps.metrics.aborts.labels(when).inc()
         fail(self.context.span, outcome.error or outcome.outcome.value)
         return msg.immediate(reply)
-
-    def close(self, *, abandoned: bool) -> Outcome | None:
-        self._budget.release()
-        return super().close(abandoned=abandoned)
 
 
 def _exhausted(exc: Exception) -> ErrorReply:

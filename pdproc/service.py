@@ -143,7 +143,13 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 # Pool mode may leave a short prompt to the decode; an endpoint picker's
                 # choice is kept.
                 min_prompt = self.settings.pd_min_prompt if from_pool else 0
-                return self._pair(context, target, abort, min_prompt)
+                # The pair follows the connector's kind.
+                connector = self.connector
+                if isinstance(connector, Concurrent):
+                    return ConcurrentPair(
+                        context, self.deps, connector, target, abort, min_prompt=min_prompt
+                    )
+                return SequentialPair(context, self.deps, connector, target, min_prompt=min_prompt)
             case NoTarget():
                 return DecodeOnly(context, self.deps, Outcome.PASSTHROUGH)
             case Unavailable(reason):
@@ -154,17 +160,6 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 return Rejected(context, ErrorReply(ErrorKind.FORBIDDEN, reason))
             case BadRequest(reason):
                 return Rejected(context, ErrorReply(ErrorKind.BAD_REQUEST, reason))
-
-    def _pair(
-        self, context: RequestContext, target: HostPort, abort: Abort, min_prompt: int
-    ) -> RequestProcessor:
-        """The P/D pair of the connector's kind."""
-        connector = self.connector
-        if isinstance(connector, Concurrent):
-            return ConcurrentPair(
-                context, self.deps, connector, target, abort, min_prompt=min_prompt
-            )
-        return SequentialPair(context, self.deps, connector, target, min_prompt=min_prompt)
 
     def ledger(self, path: str) -> Ledger:
         """A ledger for a stream that never became a request (its first message unreadable,
