@@ -207,8 +207,18 @@ class PrefillLauncher:
         task = loop.create_task(self._exchange(job, headers), name=f"prefill {job.request_id}")
         job.task = task
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda done: self._ended(job, done))
         return job
+
+    def _ended(self, job: PrefillJob, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not job.outcome.done():
+            # Cancelled before its first step (the stream ended in the loop turn that
+            # launched it): the exchange never ran to settle it, so it is settled here.
+            duration = time.perf_counter() - job.started
+            job.outcome.set_result(
+                PrefillOutcome(PrefillResult.CANCELLED, duration, error="prefill cancelled")
+            )
 
     async def _exchange(self, job: PrefillJob, headers: dict[str, str]) -> None:
         def settle(outcome: PrefillResult, **kw: Any) -> None:
