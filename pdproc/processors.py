@@ -647,6 +647,8 @@ class ConcurrentPair(Disaggregated):
             if self._response_seen:
                 self.context.finish(Outcome.PD)
             return
+        if self.context.finished:
+            return  # the request ended first (the client left, and pdproc cancelled this)
         if self._response_seen:
             # The decode answered already: its error (or its held answer, aborted from
             # `_held`) is what the client sees; the request is counted as the prefill's.

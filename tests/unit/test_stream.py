@@ -416,3 +416,18 @@ async def test_an_answer_ready_after_the_request_ended_is_not_written(
         await asyncio.sleep(0)
     await d.end()
     assert len(d.call.written) == 2  # the headers' answer and the abort, nothing after
+
+
+async def test_a_prefill_cancelled_for_a_client_that_left_is_no_abort(world: World) -> None:
+    d = Driver(Requests(world))
+    await d.ask(headers())
+    await d.ask(body())
+    await asyncio.sleep(0)
+    await d.end()
+    await world.launcher.close()
+    await asyncio.sleep(0)
+    aborts = world.metrics.registry.get_sample_value(
+        "pdproc_decode_aborts_total", {"when": "before_response"}
+    )
+    assert not aborts  # nothing was aborted: the client had gone
+    assert world.counted.only is Outcome.CANCELLED
