@@ -37,7 +37,8 @@ class Legs:
     cannot be built is the client's 400, never a failed prefill."""
 
     prefill_body: bytes
-    # None when the decode leg is built from the prefill's answer (sequential connectors).
+    # None when the decode leg is built from the prefill's answer (sequential connectors),
+    # or streamed to the decode with the plan's fields spliced into its tail.
     decode_body: bytes | None
     # Connector headers of the prefill request (the data-parallel rank, the request id), on
     # top of the client's end-to-end headers.
