@@ -17,7 +17,7 @@ SIM := $(wildcard sim/pyproject.toml)
 PYTEST_ARGS ?= tests
 
 .PHONY: install dev demo test lint protos protos-check dist test-venv test-installed \
-	test-oldest-envoy test-envoy-matrix test-engines unit bench bench-smoke envoy-config clean \
+	test-oldest-envoy test-envoy-matrix test-engines unit coverage bench bench-smoke envoy-config clean \
 	image print-image test-compose promtool
 
 $(STAMP): pyproject.toml $(SIM)
@@ -164,6 +164,13 @@ test-engines:
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit tests/integration
 
+# Line and branch coverage of pdproc/ by `make unit`'s tests (settings in pyproject.toml);
+# the table ends with the total. Coverage is a dev dependency.
+coverage: $(STAMP)
+	$(PY) -m coverage erase
+	$(PY) -m coverage run -m pytest -q tests/unit tests/integration
+	$(PY) -m coverage report
+
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -r bench/requirements.txt
 	$(PY) -m bench.run
@@ -183,5 +190,5 @@ envoy-config: $(STAMP)
 # downloaded again on the next run) and matrix logs of older runs in the temp folder.
 USER_CACHE := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/pdproc
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) $(TEST_VENV) $(DIST) build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO_VENV) $(TEST_VENV) $(DIST) build .pytest_cache .mypy_cache .ruff_cache .coverage
 	rm -rf "$(USER_CACHE)" $(wildcard $(or $(TMPDIR),/tmp)/pdproc-envoy-matrix.*)

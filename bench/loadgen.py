@@ -37,6 +37,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from pdproc.bootstrap import parse_engine_map
 from pdproc.connectors import mooncake, nixlv2
 from pdproc.request_body import KV_PARAMS, parse_body, with_field
 
@@ -329,7 +330,7 @@ async def _pd_plan(
             bootstrap.rstrip("/") + "/query", timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as response,
     ):
-        engines = mooncake.parse_engine_map(await response.read())
+        engines = parse_engine_map(await response.read())
     engine_id = engines[min(engines)]
     parsed = parse_body(body)
     placeholder = _TRANSFER_PLACEHOLDER.decode()

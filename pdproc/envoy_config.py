@@ -16,7 +16,7 @@ from importlib import resources
 from string import Template
 
 from pdproc.config import DEFAULT_PD_PATHS, MiB
-from pdproc.envoy_messages import REQUEST_ATTRIBUTES
+from pdproc.extproc_messages import REQUEST_ATTRIBUTES
 from pdproc.gateway_fields import GATEWAY_HEADERS
 from pdproc.targets import PREFILL_HEADER, HostPort, parse_host_port
 

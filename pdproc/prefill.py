@@ -23,7 +23,7 @@ from opentelemetry.trace import Span, SpanKind
 
 from pdproc.connectors import Legs
 from pdproc.gateway_fields import GATEWAY_HEADERS
-from pdproc.metrics import Metrics
+from pdproc.metrics import Metrics, PrefillResult
 from pdproc.pod_http import discard, locally_exhausted, read_at_most
 from pdproc.targets import PREFILL_HEADER, HostPort
 from pdproc.telemetry import (
@@ -74,11 +74,10 @@ _DROP_HEADERS = frozenset(
     }
 )
 
-# Outcomes that say nothing about the pod: never held against it.
-INTERNAL = "internal"  # pdproc's own failure
-CANCELLED = "cancelled"  # the client left before the decode answered: pdproc cancelled it
-EXHAUSTED = "exhausted"  # pdproc out of descriptors or memory (EMFILE, ENOMEM ...)
-NOT_THE_POD = frozenset({INTERNAL, CANCELLED, EXHAUSTED})
+# Outcomes that say nothing about the pod: never held against it (pdproc's own failure, the
+# client leaving, pdproc out of descriptors or memory).
+_OK = PrefillResult.OK  # (a module constant: enum attribute access is slow on Python 3.11)
+NOT_THE_POD = frozenset({PrefillResult.INTERNAL, PrefillResult.CANCELLED, PrefillResult.EXHAUSTED})
 
 
 def prefill_headers(
@@ -100,8 +99,7 @@ def prefill_headers(
 
 @dataclass(frozen=True, slots=True)
 class PrefillOutcome:
-    # 2xx | 3xx | 4xx | 5xx | timeout | connect_error | error | internal | cancelled
-    outcome: str
+    outcome: PrefillResult
     duration_s: float
     status: int | None = None
     error: str | None = None  # for the client and the log: never the pod's body
@@ -112,7 +110,7 @@ class PrefillOutcome:
 
     @property
     def ok(self) -> bool:
-        return self.outcome == "2xx"
+        return self.outcome is _OK
 
 
 @dataclass(slots=True)
@@ -141,19 +139,19 @@ class PrefillLauncher:
         timeout_s: float,
         tracing: Tracing | None = None,
         log_bodies: bool = False,
+        on_outcome: OutcomeHook | None = None,
     ) -> None:
+        """`on_outcome` is told every prefill's outcome once it is known (after it has been
+        counted and logged): what it teaches about the pod (breakers, engine maps)."""
         self._client = client
         self._metrics = metrics
         self._timeout_s = timeout_s
         self._tracing = tracing or Tracing(None)
         self._log_bodies = log_bodies
-        self._on_outcome: OutcomeHook | None = None
+        self._on_outcome = on_outcome
         self._tasks: set[asyncio.Task[None]] = set()
         self._per_target: Counter[HostPort] = Counter()
         self._per_rank: dict[HostPort, Counter[int]] = {}
-
-    def set_hook(self, on_outcome: OutcomeHook) -> None:
-        self._on_outcome = on_outcome
 
     @property
     def timeout_s(self) -> float:
@@ -209,11 +207,21 @@ class PrefillLauncher:
         task = loop.create_task(self._exchange(job, headers), name=f"prefill {job.request_id}")
         job.task = task
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda done: self._ended(job, done))
         return job
 
+    def _ended(self, job: PrefillJob, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not job.outcome.done():
+            # Cancelled before its first step (the stream ended in the loop turn that
+            # launched it): the exchange never ran to settle it, so it is settled here.
+            duration = time.perf_counter() - job.started
+            job.outcome.set_result(
+                PrefillOutcome(PrefillResult.CANCELLED, duration, error="prefill cancelled")
+            )
+
     async def _exchange(self, job: PrefillJob, headers: dict[str, str]) -> None:
-        def settle(outcome: str, **kw: Any) -> None:
+        def settle(outcome: PrefillResult, **kw: Any) -> None:
             if not job.outcome.done():
                 duration = time.perf_counter() - job.started
                 job.outcome.set_result(PrefillOutcome(outcome, duration, **kw))
@@ -229,27 +237,27 @@ class PrefillLauncher:
                     if job.keep_answer and not 300 <= status < 400:
                         answer = await read_at_most(response.content, MAX_ANSWER_BYTES)
                         if len(answer) > MAX_ANSWER_BYTES:
-                            settle("error", status=status, error="answer too large")
+                            settle(PrefillResult.ERROR, status=status, error="answer too large")
                             return
-                        kind = "2xx" if 200 <= status < 300 else f"{min(status // 100, 5)}xx"
+                        kind = PrefillResult.of_status(status)
                         settle(
                             kind,
                             status=status,
-                            error=None if kind == "2xx" else f"status {status}",
+                            error=None if kind is PrefillResult.OK else f"status {status}",
                             answer=answer,
                             content_type=response.headers.get("content-type"),
                         )
                         return
                     if 200 <= status < 300:
-                        settle("2xx", status=status)
+                        settle(PrefillResult.OK, status=status)
                         # Read the (small) rest so the connection can be reused: bounded in
                         # size and time, and the outcome is already known.
                         deadline.reschedule(min(deadline.when() or 0.0, _now() + DRAIN_TIMEOUT_S))
                         await discard(response.content, MAX_SUCCESS_BODY_BYTES)
                         return
                     excerpt = await response.content.read(ERROR_EXCERPT_BYTES)
-                    kind = "3xx" if 300 <= status < 400 else f"{min(status // 100, 5)}xx"
-                    note = " (redirects are not followed)" if kind == "3xx" else ""
+                    kind = PrefillResult.of_status(status)
+                    note = " (redirects are not followed)" if kind is PrefillResult.REDIRECT else ""
                     settle(
                         kind,
                         status=status,
@@ -257,20 +265,20 @@ class PrefillLauncher:
                         detail=excerpt.decode("utf-8", "replace"),
                     )
         except TimeoutError:
-            settle("timeout", error=f"no answer in {self._timeout_s:g}s")
+            settle(PrefillResult.TIMEOUT, error=f"no answer in {self._timeout_s:g}s")
         except (aiohttp.ClientError, OSError) as exc:
             if locally_exhausted(exc):
-                settle(EXHAUSTED, error=f"pdproc is out of resources: {exc}")
+                settle(PrefillResult.EXHAUSTED, error=f"pdproc is out of resources: {exc}")
             elif isinstance(exc, aiohttp.ClientConnectorError):
-                settle("connect_error", error=str(exc))
+                settle(PrefillResult.CONNECT_ERROR, error=str(exc))
             else:
-                settle("error", error=type(exc).__name__)
+                settle(PrefillResult.ERROR, error=type(exc).__name__)
         except asyncio.CancelledError:
-            settle(CANCELLED, error="prefill cancelled")
+            settle(PrefillResult.CANCELLED, error="prefill cancelled")
             raise
         except Exception as exc:  # a bug must still end as a counted, logged outcome
             log.exception("prefill task crashed")
-            settle(INTERNAL, error=f"internal error: {type(exc).__name__}")
+            settle(PrefillResult.INTERNAL, error=f"internal error: {type(exc).__name__}")
 
     def _finished(self, job: PrefillJob) -> None:
         self._per_target[job.target] -= 1
@@ -288,12 +296,12 @@ class PrefillLauncher:
         self._metrics.prefill_finished(job.target, max(left, 0))
         outcome = job.outcome.result()
         if job.span is not None:
-            job.span.set_attribute(ATTR_PREFILL_OUTCOME, outcome.outcome)
+            job.span.set_attribute(ATTR_PREFILL_OUTCOME, outcome.outcome.value)
             job.span.set_attribute(ATTR_DURATION_MS, round(outcome.duration_s * 1000, 3))
             if outcome.status is not None:
                 job.span.set_attribute(ATTR_STATUS, outcome.status)
             if not outcome.ok:
-                fail(job.span, outcome.error or outcome.outcome)
+                fail(job.span, outcome.error or outcome.outcome.value)
             job.span.end()
         self._metrics.prefills.labels(outcome.outcome).inc()
         self._metrics.prefill_seconds.observe(outcome.duration_s)
@@ -302,7 +310,7 @@ class PrefillLauncher:
             "prefill_target": str(job.target),
             **job.legs.facts,
             "path": job.path,
-            "prefill_outcome": outcome.outcome,
+            "prefill_outcome": outcome.outcome.value,
             "prefill_status": outcome.status,
             "prefill_ms": round(outcome.duration_s * 1000, 3),
             **job.log_fields,

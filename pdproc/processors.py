@@ -1,15 +1,19 @@
 """Per-request processors: one method per ext_proc phase, each returning its answer.
 
-The stream picks one processor per request when the request's headers arrive:
+The service picks one processor per request when the request's headers arrive:
 
 - `PassThrough` (a null object): not a P/D request; Envoy stops sending anything more.
 - `Rejected`: refused at the door (bad prefill header, forbidden target, pod known down).
 - `DecodeOnly`: a P/D path served by the decode alone (no prefill target, draining, or
   `--on-bootstrap-error decode-only`); its body is still checked.
-- `Disaggregated`: the P/D pair; the connector builds both legs, the prefill is launched
-  and the decode's response headers wait for its outcome.
+- `ConcurrentPair` and `SequentialPair` (both `Disaggregated`): the P/D pair. Which one runs
+  follows the connector's kind: the prefill beside the decode (Mooncake, SGLang), or before
+  it (NIXL v2). Neither knows which connector it runs.
 
-Every request ends in exactly one outcome, counted by its `RequestContext`.
+A processor gets what it uses handed in (`Deps`, its connector, its request's
+`RequestContext`), so a test builds one without a server. Every request ends in exactly one
+outcome, in its `Ledger`: recorded where it is decided, and settled by the stream's end
+with what `close` returns.
 """
 
 from __future__ import annotations
@@ -19,40 +23,35 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 from opentelemetry.trace import Span
 
-from pdproc import envoy_messages as msg
+from pdproc import extproc_messages as msg
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from pdproc.bootstrap import BootstrapError
 from pdproc.breaker import POD_DOWN
-from pdproc.config import BootstrapPolicy
+from pdproc.budget import ByteBudget
+from pdproc.config import BootstrapPolicy, Settings
 from pdproc.connectors import (
     AnswerError,
     ClientRequest,
     Concurrent,
+    Connector,
     EngineMap,
     Legs,
     NoKvParams,
     OnFailure,
+    Sequential,
 )
-from pdproc.connectors.mooncake import BootstrapError
 from pdproc.errors import ErrorKind, ErrorReply
-from pdproc.prefill import EXHAUSTED, PrefillJob, PrefillOutcome
+from pdproc.ledger import Ledger
+from pdproc.metrics import Metrics, Outcome, PrefillResult
+from pdproc.prefill import PrefillJob, PrefillOutcome
 from pdproc.request_body import BodyError, members, parse_body
 from pdproc.streamed_body import TAIL, StreamedBody, parse_content_length
 from pdproc.targets import HostPort
-from pdproc.telemetry import (
-    ATTR_CONNECTOR,
-    ATTR_OUTCOME,
-    ATTR_STREAMED,
-    ATTR_TARGET,
-    fail,
-    trace_fields,
-)
-
-if TYPE_CHECKING:
-    from pdproc.service import ExtProcService
+from pdproc.telemetry import ATTR_CONNECTOR, ATTR_STREAMED, ATTR_TARGET, fail, trace_fields
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +60,8 @@ _OVERLOADED = ErrorReply(
     ErrorKind.OVERLOADED, "too many request bytes in flight at this gateway; retry later"
 )
 _TRAILERS = ErrorReply(ErrorKind.BAD_REQUEST, "request trailers are not supported on P/D paths")
-# Outcome of a streamed request answered before pdproc saw its body end.
-UNFINISHED = "unfinished_body"
-# The client left (its stream ended) before the decode's answer reached it, and no prefill
-# of its was running (none launched yet, or already finished).
-ABANDONED = "abandoned"
-# The same, with its prefill still running: pdproc cancelled it (nobody will use its KV).
-CANCELLED = "cancelled"
-# Outcome of a request whose prefill answered what the decode may not be given (NIXL: a side
-# channel outside the allow list, wrong types or sizes): the decode serves it alone.
-REFUSED_ANSWER = "prefill_answer_refused"
+# What the breakers are told when a pod's bootstrap server answers unusably.
+_BOOTSTRAP_FAILED = "bootstrap"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,41 +76,86 @@ class Deferred:
 
 
 Answer: TypeAlias = "msg.Response | Deferred"
+# The stream's way to end its request unasked (an immediate response written now).
 Abort = Callable[[msg.Response], None]
 
 
+class EngineLookup(Protocol):
+    """Engine maps of prefill pods (pdproc.bootstrap.EngineMaps)."""
+
+    def prefetch(self, target: HostPort, span: Span | None = None) -> None: ...
+
+    async def get(self, target: HostPort, span: Span | None = None) -> EngineMap: ...
+
+    def invalidate(self, target: HostPort) -> None: ...
+
+
+class Launcher(Protocol):
+    """Starts prefills (pdproc.prefill.PrefillLauncher)."""
+
+    @property
+    def timeout_s(self) -> float: ...
+
+    def in_flight_by_rank(self, target: HostPort) -> Mapping[int, int]: ...
+
+    def launch(
+        self,
+        *,
+        target: HostPort,
+        legs: Legs,
+        path: str,
+        client_headers: Mapping[str, str],
+        parent_span: Span | None = None,
+        log_fields: Mapping[str, Any] | None = None,
+        keep_answer: bool = False,
+    ) -> PrefillJob: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Deps:
+    """What processors use beyond their request, shared by all requests of a process."""
+
+    settings: Settings
+    metrics: Metrics
+    budget: ByteBudget  # --max-inflight-bytes
+    engines: EngineLookup
+    launcher: Launcher
+    # A pod's bootstrap server failed (held against the pod: the circuit breakers' record).
+    pod_failed: Callable[[HostPort, str], None]
+    # Whether the gateway admits an address as a KV source (NIXL's side channel).
+    admits: Callable[[HostPort], bool]
+
+
 class RequestContext:
-    """What every processor of one request shares: who it is, its span, its one outcome."""
+    """What every processor of one request shares: who it is, its span, its ledger."""
 
     def __init__(
         self,
-        service: ExtProcService,
         headers: Mapping[str, str],
         path: str,
         span: Span | None,
+        ledger: Ledger,
         *,
         single_message: bool,
         id_replaced: bool = False,
     ) -> None:
-        self.service = service
         self.headers = headers
         self.path = path
         self.span = span
+        self.ledger = ledger
         self.single_message = single_message
         # pdproc's id for the request (pdproc.request_ids): the client's x-request-id, or one
         # pdproc minted in place of an unfit value (`id_replaced`).
         self.request_id = headers.get("x-request-id", "")
         self.id_replaced = id_replaced
-        self.finished = False
 
-    def finish(self, outcome: str) -> None:
-        """Count the request's outcome, once."""
-        if self.finished:
-            return
-        self.finished = True
-        self.service.count(self.path, outcome)
-        if self.span is not None and self.span.is_recording():
-            self.span.set_attribute(ATTR_OUTCOME, outcome)
+    @property
+    def finished(self) -> bool:
+        return self.ledger.settled
+
+    def finish(self, outcome: Outcome) -> None:
+        """Record the request's outcome, unless it has one."""
+        self.ledger.record(outcome)
 
     def held_request_id(self) -> str | None:
         """The id to set on the decode leg: pdproc's, when it replaced the client's and
@@ -131,7 +167,7 @@ class RequestContext:
 
     def reject(self, reply: ErrorReply) -> msg.Response:
         """Answer the request in Envoy's place; the request ends here and is counted here."""
-        self.finish(reply.kind.value)
+        self.finish(Outcome.of(reply.kind))
         fail(self.span, reply.message)
         log.warning(
             "request rejected: %s",
@@ -139,6 +175,19 @@ class RequestContext:
             extra=self.log_fields(outcome=reply.kind.value, status=reply.status),
         )
         return msg.immediate(reply)
+
+    def decode_alone(self, outcome: Outcome, reason: str | None = None) -> None:
+        """Record (and log, if it is a fallback) that the decode serves this request alone."""
+        if reason is not None:
+            log.warning(
+                "decode-only fallback: %s", reason, extra=self.log_fields(outcome=outcome.value)
+            )
+        self.finish(outcome)
+
+    def served_alone(self, outcome: Outcome, reason: str | None = None) -> msg.Response:
+        """The client's own body goes on to the decode, marked as checked."""
+        self.decode_alone(outcome, reason)
+        return msg.checked_request_body(self.held_request_id())
 
     def close(self) -> None:
         if self.span is not None:
@@ -156,8 +205,10 @@ class RequestProcessor(Protocol):
 
     def response_headers(self, headers: pb.HttpHeaders) -> Answer: ...
 
-    def close(self, *, abandoned: bool) -> None:
-        """The stream ended; `abandoned`: before the decode's answer went to the client."""
+    def close(self, *, abandoned: bool) -> Outcome | None:
+        """The stream ended (`abandoned`: before the decode's answer went to the client).
+        Returns the outcome of a request that has none yet, unless one is still to come
+        (a concurrent prefill still running once the decode has answered)."""
 
 
 class PassThrough:
@@ -165,7 +216,7 @@ class PassThrough:
 
     def __init__(self, context: RequestContext) -> None:
         self.context = context
-        context.finish("passthrough")
+        context.finish(Outcome.PASSTHROUGH)
 
     async def request_headers(self) -> Answer:
         return msg.PASS_THROUGH_HEADERS
@@ -179,10 +230,8 @@ class PassThrough:
     def response_headers(self, headers: pb.HttpHeaders) -> Answer:
         return msg.CONTINUE_RESPONSE_HEADERS
 
-    def close(self, *, abandoned: bool) -> None:
-        if abandoned:
-            self.context.finish(ABANDONED)  # unless it was counted already
-        self.context.close()
+    def close(self, *, abandoned: bool) -> Outcome | None:
+        return Outcome.ABANDONED if abandoned else None
 
 
 class Rejected(PassThrough):
@@ -199,32 +248,31 @@ class Rejected(PassThrough):
         return self.context.reject(self._reply)
 
 
-class _BodyChecks:
+def checked_body(
+    context: RequestContext, body: pb.HttpBody, max_bytes: int
+) -> ClientRequest | ErrorReply:
     """The checks every P/D-path body passes before anything is done with it."""
-
-    context: RequestContext
-
-    def _checked(self, body: pb.HttpBody) -> ClientRequest | ErrorReply:
-        service = self.context.service
-        if not body.end_of_stream:
-            # Only BUFFERED delivers the whole body at once; a partial body means it outgrew
-            # Envoy's buffer (BUFFERED_PARTIAL) and cannot be checked or rewritten.
-            return ErrorReply(ErrorKind.TOO_LARGE, "request body too large to buffer")
-        raw = body.body
-        limit = service.settings.max_body_bytes
-        if len(raw) > limit:
-            return ErrorReply(ErrorKind.TOO_LARGE, f"request body exceeds {limit} bytes")
-        try:
-            return ClientRequest(self.context.path, raw, parse_body(raw), self.context.request_id)
-        except BodyError as exc:
-            return ErrorReply(ErrorKind.BAD_REQUEST, str(exc))
+    if not body.end_of_stream:
+        # Only BUFFERED delivers the whole body at once; a partial body means it outgrew
+        # Envoy's buffer (BUFFERED_PARTIAL) and cannot be checked or rewritten.
+        return ErrorReply(ErrorKind.TOO_LARGE, "request body too large to buffer")
+    raw = body.body
+    if len(raw) > max_bytes:
+        return ErrorReply(ErrorKind.TOO_LARGE, f"request body exceeds {max_bytes} bytes")
+    try:
+        return ClientRequest(context.path, raw, parse_body(raw), context.request_id)
+    except BodyError as exc:
+        return ErrorReply(ErrorKind.BAD_REQUEST, str(exc))
 
 
-class DecodeOnly(_BodyChecks, PassThrough):
+class DecodeOnly(PassThrough):
     """A P/D path the decode serves alone; the body is still checked (no client params)."""
 
-    def __init__(self, context: RequestContext, outcome: str, reason: str | None = None) -> None:
+    def __init__(
+        self, context: RequestContext, deps: Deps, outcome: Outcome, reason: str | None = None
+    ) -> None:
         self.context = context
+        self._deps = deps
         self._outcome = outcome
         self._reason = reason
 
@@ -232,97 +280,304 @@ class DecodeOnly(_BodyChecks, PassThrough):
         return msg.CHECK_BODY_ONLY_HEADERS
 
     async def request_body(self, body: pb.HttpBody) -> Answer:
-        with self.context.service.body_budget(len(body.body)) as admitted:
-            checked = self._checked(body) if admitted else _OVERLOADED
+        with self._deps.budget.hold(len(body.body)) as admitted:
+            if not admitted:
+                return self.context.reject(_OVERLOADED)
+            checked = checked_body(self.context, body, self._deps.settings.max_body_bytes)
             if isinstance(checked, ErrorReply):
                 return self.context.reject(checked)
-            return self.served_alone()
-
-    def served_alone(self) -> msg.Response:
-        """The client's own body goes on to the decode, marked as checked."""
-        self.record()
-        return msg.checked_request_body(self.context.held_request_id())
-
-    def record(self) -> None:
-        """Count (and log, if it is a fallback) that the decode serves this request alone."""
-        if self._reason is not None:
-            log.warning(
-                "decode-only fallback: %s",
-                self._reason,
-                extra=self.context.log_fields(outcome=self._outcome),
-            )
-        self.context.finish(self._outcome)
+            return self.context.served_alone(self._outcome, self._reason)
 
 
-class Disaggregated(_BodyChecks):
-    """The P/D pair: prefill launched by pdproc, decode carried by Envoy."""
+class Disaggregated:
+    """What both P/D pairs share: the prefill launched by pdproc, the decode carried by
+    Envoy, and one path from a known body to launched legs (`_pair`)."""
 
     def __init__(
         self,
         context: RequestContext,
+        deps: Deps,
+        connector: Connector,
+        target: HostPort,
+        *,
+        min_prompt: int = 0,
+    ) -> None:
+        self.context = context
+        self._deps = deps
+        self._uses_engines = connector.uses_engines
+        self._target = target
+        self._min_prompt = min_prompt
+        self._job: PrefillJob | None = None
+        self._response_seen = False
+        self._busy_s = 0.0
+        # Body bytes a streamed request holds against --max-inflight-bytes until its end:
+        # those that arrived, chunk by chunk (pdproc.budget; only ConcurrentPair streams).
+        self._budget = deps.budget.holding()
+        if context.span is not None:
+            context.span.set_attribute(ATTR_TARGET, str(target))
+            context.span.set_attribute(ATTR_CONNECTOR, connector.name)
+
+    async def request_headers(self) -> Answer:
+        started = time.perf_counter()
+        if self._uses_engines:
+            # Overlap a cache miss with Envoy sending the body.
+            self._deps.engines.prefetch(self._target, self.context.span)
+        answer = self._headers_answer()
+        self._busy_s += time.perf_counter() - started
+        return answer
+
+    def _headers_answer(self) -> msg.Response:
+        return msg.CONTINUE_REQUEST_HEADERS
+
+    async def request_body(self, body: pb.HttpBody) -> Answer:
+        with self._deps.budget.hold(len(body.body)) as admitted:
+            if not admitted:
+                return self.context.reject(_OVERLOADED)
+            checked = checked_body(self.context, body, self._deps.settings.max_body_bytes)
+            if isinstance(checked, ErrorReply):
+                return self.context.reject(checked)
+            if len(checked.raw) < self._min_prompt:
+                # Too short for P/D to pay: the decode does it all (--pd-min-prompt).
+                return self.context.served_alone(Outcome.SHORT_PROMPT)
+            return await self._pair(checked, None)
+
+    def request_trailers(self) -> Answer:
+        return msg.CONTINUE_REQUEST_TRAILERS
+
+    async def _pair(self, request: ClientRequest, streamed: StreamedBody | None) -> Answer:
+        """The body is known: the engine map (if the connector needs one), the legs, the
+        prefill launched, and the body's answer. `streamed`: the body went on to the decode
+        as it arrived, all but its tail."""
+        started = time.perf_counter()
+        engines: EngineMap | None = None
+        if self._uses_engines:
+            try:
+                engines = await self._deps.engines.get(self._target, self.context.span)
+            except BootstrapError as exc:
+                return self._no_engines(exc, request, streamed)
+        busy = self._deps.launcher.in_flight_by_rank(self._target)
+        try:
+            answer = self._launch_legs(request, engines, busy, streamed)
+        except BodyError as exc:
+            return self.context.reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
+        self._busy_s += time.perf_counter() - started
+        self._deps.metrics.processing_seconds.observe(self._busy_s)
+        return answer
+
+    def _launch_legs(
+        self,
+        request: ClientRequest,
+        engines: EngineMap | None,
+        busy: Mapping[int, int],
+        streamed: StreamedBody | None,
+    ) -> Answer:
+        """Build the legs (BodyError when the body cannot be carried), launch the prefill,
+        and return the body's answer."""
+        raise NotImplementedError
+
+    def _no_engines(
+        self, exc: BootstrapError, request: ClientRequest, streamed: StreamedBody | None
+    ) -> msg.Response:
+        """No engine map for the pod: reject the request, or let the decode do it alone."""
+        if exc.local:
+            return self.context.reject(_exhausted(exc))
+        self._deps.pod_failed(self._target, POD_DOWN if exc.pod_down else _BOOTSTRAP_FAILED)
+        reply = ErrorReply(ErrorKind.BOOTSTRAP, str(exc))
+        if self._deps.settings.on_bootstrap_error is BootstrapPolicy.REJECT:
+            return self.context.reject(reply)
+        if streamed is None:
+            return self.context.served_alone(Outcome.DECODE_ONLY, reply.message)
+        self.context.decode_alone(Outcome.DECODE_ONLY, reply.message)
+        return msg.last_chunk_response(
+            streamed.tail(request.raw, b"", empty_object=not request.parsed)
+        )
+
+    def _launch(self, legs: Legs, request: ClientRequest, *, keep_answer: bool) -> PrefillJob:
+        excerpt = {}
+        if self._deps.settings.log_bodies:
+            excerpt["body"] = request.raw[:BODY_LOG_BYTES].decode("utf-8", "replace")
+        job = self._job = self._deps.launcher.launch(
+            target=self._target,
+            legs=legs,
+            path=self.context.path,
+            client_headers=self.context.headers,
+            parent_span=self.context.span,
+            log_fields=excerpt,
+            keep_answer=keep_answer,
+        )
+        if self.context.span is not None:
+            for key, value in legs.facts.items():
+                self.context.span.set_attribute(f"pdproc.{key}", value)
+        return job
+
+    def _decode(self, body: bytes) -> msg.Response:
+        # With the request headers still held, the decode gets the id the prefill got.
+        return msg.body_response(
+            body,
+            content_length=not self.context.single_message,
+            request_id=self.context.held_request_id(),
+        )
+
+    def _deferred(self, job: PrefillJob, later: Awaitable[msg.Response]) -> Deferred:
+        """An answer that waits for the prefill. The override asking Envoy to wait is sized
+        for the rest of the prefill (Envoy honours only the first per message, capped at
+        the filter's max_message_timeout), and only sent when the wait nears Envoy's
+        message_timeout."""
+        settings = self._deps.settings
+        remaining = self._deps.launcher.timeout_s - (time.perf_counter() - job.started)
+        hold = msg.hold(min(max(remaining, 0.0) + 1.0, settings.envoy_max_message_timeout))
+        # Leave the override time to reach Envoy before its own timer fires.
+        timeout = settings.envoy_message_timeout
+        return Deferred(later, hold, hold_after=max(timeout - 2.0, timeout / 2))
+
+    def response_headers(self, headers: pb.HttpHeaders) -> Answer:
+        self._response_seen = True
+        job = self._job
+        if job is None:
+            return self._answered_unlaunched(headers)
+        status = msg.status_of(headers)
+        if status.startswith("5"):
+            # A decode 5xx may be a stale engine id (the prefill pod restarted): re-query.
+            self._deps.engines.invalidate(job.target)
+        return self._answered(job, status)
+
+    def _answered_unlaunched(self, headers: pb.HttpHeaders) -> Answer:
+        """The decode answered a request whose prefill was never launched."""
+        return msg.CONTINUE_RESPONSE_HEADERS
+
+    def _answered(self, job: PrefillJob, status: str) -> Answer:
+        """The decode answered with `status` (its response headers wait for this)."""
+        raise NotImplementedError
+
+    def close(self, *, abandoned: bool) -> Outcome | None:
+        self._budget.release()
+        if not abandoned or self.context.finished:
+            return None
+        job = self._job
+        if job is not None and job.task is not None and not job.outcome.done():
+            # The client left before the decode answered: Envoy resets the decode, so
+            # nobody will use this prefill's KV. Cancelling it closes its connection,
+            # which has vLLM and SGLang abort it and free its work and blocks
+            # (docs/operations.md, "Clients that hang up").
+            job.task.cancel()
+            return Outcome.CANCELLED
+        return Outcome.ABANDONED
+
+
+class SequentialPair(Disaggregated):
+    """The prefill first; the decode leg is built from its answer (NIXL v2)."""
+
+    def __init__(
+        self,
+        context: RequestContext,
+        deps: Deps,
+        connector: Sequential,
+        target: HostPort,
+        *,
+        min_prompt: int = 0,
+    ) -> None:
+        super().__init__(context, deps, connector, target, min_prompt=min_prompt)
+        self._connector = connector
+
+    def _launch_legs(
+        self,
+        request: ClientRequest,
+        engines: EngineMap | None,
+        busy: Mapping[int, int],
+        streamed: StreamedBody | None,
+    ) -> Answer:
+        legs = self._connector.legs(request, self._target, engines, busy)
+        job = self._launch(legs, request, keep_answer=True)
+        # The body's answer waits for the prefill (Envoy is told to wait if it must).
+        return self._deferred(job, self._after_prefill(job, request))
+
+    async def _after_prefill(self, job: PrefillJob, request: ClientRequest) -> msg.Response:
+        """The decode leg once the prefill has answered."""
+        outcome = await asyncio.shield(job.outcome)
+        if outcome.ok and outcome.answer is not None:
+            try:
+                body = self._connector.decode_body(
+                    request, outcome.answer, self._target, self._deps.admits
+                )
+            except NoKvParams as exc:
+                return self.context.served_alone(
+                    Outcome.DECODE_ONLY, f"unusable prefill answer: {exc}"
+                )
+            except AnswerError as exc:
+                # The pod's answer is refused: the decode serves the request alone (NIXL's
+                # failure rule), counted apart from an unusable or failed prefill.
+                fail(self.context.span, str(exc))
+                return self.context.served_alone(
+                    Outcome.PREFILL_ANSWER_REFUSED, f"prefill answer refused: {exc}"
+                )
+            return self._decode(body)  # counted once the decode answers (response_headers)
+        reply = prefill_error(outcome)
+        if self._connector.on_failure(outcome.status) is OnFailure.PASS_THROUGH:
+            self.context.finish(Outcome.of(reply.kind))
+            return msg.passed_through(
+                outcome.status or 502, outcome.answer or b"", outcome.content_type
+            )
+        return self.context.served_alone(Outcome.DECODE_ONLY, reply.message)
+
+    def _answered(self, job: PrefillJob, status: str) -> Answer:
+        # The prefill ended before the decode began.
+        if job.outcome.done() and job.outcome.result().ok:
+            self.context.finish(Outcome.PD)
+        return msg.CONTINUE_RESPONSE_HEADERS
+
+
+class ConcurrentPair(Disaggregated):
+    """The prefill beside the decode (Mooncake, SGLang): both legs are built before the
+    body's answer, a large body may stream on to the decode as it arrives, and the decode's
+    response headers wait for the prefill's outcome. A failed prefill ends the request."""
+
+    def __init__(
+        self,
+        context: RequestContext,
+        deps: Deps,
+        connector: Concurrent,
         target: HostPort,
         abort: Abort,
         *,
         min_prompt: int = 0,
     ) -> None:
-        self.context = context
-        self._target = target
+        super().__init__(context, deps, connector, target, min_prompt=min_prompt)
+        self._connector = connector
         self._abort = abort
-        self._min_prompt = min_prompt
-        self._job: PrefillJob | None = None
         self._streamed: StreamedBody | None = None
-        # Body bytes a streamed request holds against --max-inflight-bytes until its end:
-        # those that arrived, chunk by chunk (pdproc.budget).
-        self._budget = context.service.budget.holding()
-        self._response_seen = False
-        self._busy_s = 0.0
-        if context.span is not None:
-            context.span.set_attribute(ATTR_TARGET, str(target))
-            context.span.set_attribute(ATTR_CONNECTOR, context.service.connector.name)
 
-    async def request_headers(self) -> Answer:
-        started = time.perf_counter()
-        service = self.context.service
-        if service.connector.uses_engines:
-            # Overlap a cache miss with Envoy sending the body.
-            service.engines.prefetch(self._target, self.context.span)
+    def _headers_answer(self) -> msg.Response:
         length = self._streamable_length()
-        answer = msg.CONTINUE_REQUEST_HEADERS if length is None else self._stream(length)
-        self._busy_s += time.perf_counter() - started
-        return answer
+        return msg.CONTINUE_REQUEST_HEADERS if length is None else self._stream(length)
 
     def _streamable_length(self) -> int | None:
         """The body's length when it is to be streamed (pdproc.streamed_body), else None."""
-        service = self.context.service
-        threshold = service.settings.stream_body_bytes
+        settings = self._deps.settings
+        threshold = settings.stream_body_bytes
         if not threshold or self.context.single_message:
             return None  # single-message mode has no headers answer to switch modes in
-        if not isinstance(service.connector, Concurrent):
-            return None  # the decode leg is built from the prefill's answer
         length = parse_content_length(self.context.headers.get("content-length"))
         if length is None or length < max(threshold, TAIL + 1, self._min_prompt):
             return None
-        if length > service.settings.max_body_bytes:
+        if length > settings.max_body_bytes:
             return None  # buffered, it gets Envoy's 413 or pdproc's
         return length
 
     def _stream(self, length: int) -> msg.Response:
         """Have Envoy stream the body past pdproc; its bytes count against the in-flight
         budget as they arrive, until its end. The announced length reserves nothing."""
-        service = self.context.service
-        if service.budget.full:
+        if self._deps.budget.full:
             return self.context.reject(_OVERLOADED)
         self._streamed = StreamedBody(length)
         if self.context.span is not None:
             self.context.span.set_attribute(ATTR_STREAMED, True)
-        service.metrics.streamed_bodies.inc()
+        self._deps.metrics.streamed_bodies.inc()
         return msg.STREAMED_HEADERS
 
     async def request_body(self, body: pb.HttpBody) -> Answer:
-        if self._streamed is not None:
-            return await self._stream_chunk(body, self._streamed)
-        with self.context.service.body_budget(len(body.body)) as admitted:
-            return await self._disaggregate(body) if admitted else self.context.reject(_OVERLOADED)
+        if self._streamed is None:
+            return await super().request_body(body)
+        return await self._stream_chunk(body, self._streamed)
 
     async def _stream_chunk(self, body: pb.HttpBody, streamed: StreamedBody) -> Answer:
         """A chunk of a streamed body: on at once, except the held-back tail."""
@@ -339,6 +594,18 @@ class Disaggregated(_BodyChecks):
         finally:
             self._budget.release()
 
+    async def _stream_end(self, streamed: StreamedBody) -> Answer:
+        """The whole body is in: check it, then pair it. A refusal here cuts the decode off
+        mid-body."""
+        raw = streamed.whole()
+        try:
+            request = ClientRequest(
+                self.context.path, raw, parse_body(raw), self.context.request_id
+            )
+        except BodyError as exc:
+            return self.context.reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
+        return await self._pair(request, streamed)
+
     def _stream_refused(self, reply: ErrorReply) -> msg.Response:
         """A streamed body refused before its end: its bytes leave the budget now."""
         self._budget.release()
@@ -350,154 +617,27 @@ class Disaggregated(_BodyChecks):
             return self._stream_refused(_TRAILERS)
         return msg.CONTINUE_REQUEST_TRAILERS
 
-    async def _stream_end(self, streamed: StreamedBody) -> msg.Response:
-        """The whole body is in: check it, plan and launch the prefill, release the tail
-        with the decode's fields. A refusal here cuts the decode off mid-body."""
-        started = time.perf_counter()
-        service = self.context.service
-        connector = service.connector
-        assert isinstance(connector, Concurrent)
-        raw = streamed.whole()
-        try:
-            request = ClientRequest(
-                self.context.path, raw, parse_body(raw), self.context.request_id
+    def _launch_legs(
+        self,
+        request: ClientRequest,
+        engines: EngineMap | None,
+        busy: Mapping[int, int],
+        streamed: StreamedBody | None,
+    ) -> Answer:
+        plan = self._connector.plan(self._target, engines, busy)
+        if streamed is None:
+            decode_body = self._connector.decode_leg(request, plan)
+            legs = self._connector.prefill_leg(request, plan, decode_body)
+            answer = self._decode(decode_body)
+        else:
+            legs = self._connector.prefill_leg(request, plan, None)
+            tail = streamed.tail(
+                request.raw, members(plan.decode_fields), empty_object=not request.parsed
             )
-        except BodyError as exc:
-            return self.context.reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
-        empty = not request.parsed
-        engines: EngineMap | None = None
-        if connector.uses_engines:
-            try:
-                engines = await service.engines.get(self._target, self.context.span)
-            except BootstrapError as exc:
-                if exc.local:
-                    return self.context.reject(_exhausted(exc))
-                service.breakers.record(self._target, POD_DOWN if exc.pod_down else "bootstrap")
-                reply = ErrorReply(ErrorKind.BOOTSTRAP, str(exc))
-                if service.settings.on_bootstrap_error is BootstrapPolicy.REJECT:
-                    return self.context.reject(reply)
-                DecodeOnly(self.context, "decode_only", reply.message).record()
-                return msg.last_chunk_response(streamed.tail(raw, b"", empty_object=empty))
-        plan = connector.plan(
-            self._target, engines, service.launcher.in_flight_by_rank(self._target)
-        )
-        try:
-            legs = connector.build(request, plan, decode=False)
-            tail = streamed.tail(raw, members(plan.decode_fields), empty_object=empty)
-        except BodyError as exc:
-            return self.context.reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
-        self._launch(legs, request)
-        self._busy_s += time.perf_counter() - started
-        service.metrics.processing_seconds.observe(self._busy_s)
-        return msg.last_chunk_response(tail)
-
-    async def _disaggregate(self, body: pb.HttpBody) -> Answer:
-        started = time.perf_counter()
-        service = self.context.service
-        checked = self._checked(body)
-        if isinstance(checked, ErrorReply):
-            return self.context.reject(checked)
-        if len(checked.raw) < self._min_prompt:
-            # Too short for P/D to pay: the decode does it all (--pd-min-prompt).
-            return DecodeOnly(self.context, "short_prompt").served_alone()
-        engines: EngineMap | None = None
-        if service.connector.uses_engines:
-            try:
-                engines = await service.engines.get(self._target, self.context.span)
-            except BootstrapError as exc:
-                if exc.local:
-                    return self.context.reject(_exhausted(exc))
-                service.breakers.record(self._target, POD_DOWN if exc.pod_down else "bootstrap")
-                return self._without_prefill(ErrorReply(ErrorKind.BOOTSTRAP, str(exc)))
-        busy = service.launcher.in_flight_by_rank(self._target)
-        try:
-            legs = service.connector.legs(checked, self._target, engines, busy)
-        except BodyError as exc:
-            return self.context.reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
-        job = self._launch(legs, checked)
-        self._busy_s += time.perf_counter() - started
-        service.metrics.processing_seconds.observe(self._busy_s)
-        if service.connector.sequential or legs.decode_body is None:
-            # The body's answer waits for the prefill (Envoy is told to wait if it must).
-            return self._deferred(job, self._after_prefill(job, checked))
-        return self._decode(legs.decode_body)
-
-    def _launch(self, legs: Legs, request: ClientRequest) -> PrefillJob:
-        """Launch the prefill leg; a concurrent connector's outcome is watched from here."""
-        service = self.context.service
-        excerpt = {}
-        if service.settings.log_bodies:
-            excerpt["body"] = request.raw[:BODY_LOG_BYTES].decode("utf-8", "replace")
-        sequential = service.connector.sequential
-        job = self._job = service.launcher.launch(
-            target=self._target,
-            legs=legs,
-            path=self.context.path,
-            client_headers=self.context.headers,
-            parent_span=self.context.span,
-            log_fields=excerpt,
-            keep_answer=sequential,
-        )
-        if self.context.span is not None:
-            for key, value in legs.facts.items():
-                self.context.span.set_attribute(f"pdproc.{key}", value)
-        if not sequential:
-            job.outcome.add_done_callback(self._prefill_done)
-        return job
-
-    def _decode(self, body: bytes) -> msg.Response:
-        # With the request headers still held, the decode gets the id the prefill got.
-        return msg.body_response(
-            body,
-            content_length=not self.context.single_message,
-            request_id=self.context.held_request_id(),
-        )
-
-    def _deferred(self, job: PrefillJob, later: Awaitable[msg.Response]) -> Deferred:
-        """An answer that waits for the prefill. The override asking Envoy to wait is sized
-        for the rest of the prefill (Envoy honours only the first per message, capped at
-        the filter's max_message_timeout), and only sent when the wait nears Envoy's
-        message_timeout."""
-        settings = self.context.service.settings
-        remaining = self.context.service.launcher.timeout_s - (time.perf_counter() - job.started)
-        hold = msg.hold(min(max(remaining, 0.0) + 1.0, settings.envoy_max_message_timeout))
-        # Leave the override time to reach Envoy before its own timer fires.
-        timeout = settings.envoy_message_timeout
-        return Deferred(later, hold, hold_after=max(timeout - 2.0, timeout / 2))
-
-    async def _after_prefill(self, job: PrefillJob, request: ClientRequest) -> msg.Response:
-        """Sequential connectors: the decode leg once the prefill has answered."""
-        outcome = await asyncio.shield(job.outcome)
-        connector = self.context.service.connector
-        if outcome.ok and outcome.answer is not None:
-            try:
-                body = connector.decode_body(
-                    request, outcome.answer, self._target, self.context.service.admits
-                )
-            except NoKvParams as exc:
-                return self._alone(f"unusable prefill answer: {exc}")
-            except AnswerError as exc:
-                # The pod's answer is refused: the decode serves the request alone (NIXL's
-                # failure rule), counted apart from an unusable or failed prefill.
-                fail(self.context.span, str(exc))
-                return self._alone(f"prefill answer refused: {exc}", REFUSED_ANSWER)
-            return self._decode(body)  # counted once the decode answers (response_headers)
-        reply = prefill_error(outcome)
-        if connector.on_failure(outcome.status) is OnFailure.PASS_THROUGH:
-            self.context.finish(reply.kind.value)
-            return msg.passed_through(
-                outcome.status or 502, outcome.answer or b"", outcome.content_type
-            )
-        return self._alone(reply.message)
-
-    def _alone(self, reason: str, outcome: str = "decode_only") -> msg.Response:
-        return DecodeOnly(self.context, outcome, reason).served_alone()
-
-    def _without_prefill(self, reply: ErrorReply) -> Answer:
-        """No prefill can serve this request: reject it, or let the decode do it alone."""
-        if self.context.service.settings.on_bootstrap_error is BootstrapPolicy.REJECT:
-            return self.context.reject(reply)
-        return self._alone(reply.message)
+            answer = msg.last_chunk_response(tail)
+        job = self._launch(legs, request, keep_answer=False)
+        job.outcome.add_done_callback(self._prefill_done)
+        return answer
 
     def _prefill_done(self, outcome: asyncio.Future[PrefillOutcome]) -> None:
         """Count a failure (and abort the request at once if the decode has not answered);
@@ -505,34 +645,28 @@ class Disaggregated(_BodyChecks):
         result = outcome.result()
         if result.ok:
             if self._response_seen:
-                self.context.finish("pd")
+                self.context.finish(Outcome.PD)
             return
-        self.context.finish(prefill_error(result).kind.value)
-        if not self._response_seen:
+        if self.context.finished:
+            return  # the request ended first (the client left, and pdproc cancelled this)
+        if self._response_seen:
+            # The decode answered already: its error (or its held answer, aborted from
+            # `_held`) is what the client sees; the request is counted as the prefill's.
+            self.context.finish(Outcome.of(prefill_error(result).kind))
+        else:
             self._abort(self._aborted(result, "before_response"))
 
-    def response_headers(self, headers: pb.HttpHeaders) -> Answer:
-        self._response_seen = True
-        job = self._job
-        if job is None and self._streamed is not None and not self.context.finished:
+    def _answered_unlaunched(self, headers: pb.HttpHeaders) -> Answer:
+        if self._streamed is not None and not self.context.finished:
             # An answer to a streamed body whose end pdproc never released: Envoy's own (the
             # kv guard's buffer overflowed: 413) or the decode's, to a body it never got
             # whole. It goes to the client as it is; the request is counted here.
-            status = msg.status_of(headers)
             self._budget.release()
-            self.context.finish(ErrorKind.TOO_LARGE.value if status == "413" else UNFINISHED)
-            return msg.CONTINUE_RESPONSE_HEADERS
-        if job is None:
-            return msg.CONTINUE_RESPONSE_HEADERS
-        status = msg.status_of(headers)
-        if status.startswith("5"):
-            # A decode 5xx may be a stale engine id (the prefill pod restarted): re-query.
-            self.context.service.engines.invalidate(job.target)
-        if self.context.service.connector.sequential:
-            # The prefill ended before the decode began.
-            if job.outcome.done() and job.outcome.result().ok:
-                self.context.finish("pd")
-            return msg.CONTINUE_RESPONSE_HEADERS
+            too_large = msg.status_of(headers) == "413"
+            self.context.finish(Outcome.TOO_LARGE if too_large else Outcome.UNFINISHED_BODY)
+        return msg.CONTINUE_RESPONSE_HEADERS
+
+    def _answered(self, job: PrefillJob, status: str) -> Answer:
         if job.outcome.done():
             return self._settled(job.outcome.result(), "before_response")
         if not status.startswith("2"):
@@ -543,35 +677,22 @@ class Disaggregated(_BodyChecks):
     async def _held(self, job: PrefillJob) -> msg.Response:
         started = time.perf_counter()
         outcome = await asyncio.shield(job.outcome)
-        self.context.service.metrics.hold_seconds.observe(time.perf_counter() - started)
+        self._deps.metrics.hold_seconds.observe(time.perf_counter() - started)
         return self._settled(outcome, "held")
 
     def _settled(self, outcome: PrefillOutcome, when: str) -> msg.Response:
         if outcome.ok:
-            self.context.finish("pd")
+            self.context.finish(Outcome.PD)
             return msg.CONTINUE_RESPONSE_HEADERS
         return self._aborted(outcome, when)
 
     def _aborted(self, outcome: PrefillOutcome, when: str) -> msg.Response:
         """The one abort path: the decode is cancelled and the client gets the error."""
-        self.context.service.metrics.aborts.labels(when).inc()
-        fail(self.context.span, outcome.error or outcome.outcome)
-        return msg.immediate(prefill_error(outcome))
-
-    def close(self, *, abandoned: bool) -> None:
-        job = self._job
-        if abandoned and not self.context.finished:
-            if job is not None and job.task is not None and not job.outcome.done():
-                # The client left before the decode answered: Envoy resets the decode, so
-                # nobody will use this prefill's KV. Cancelling it closes its connection,
-                # which has vLLM and SGLang abort it and free its work and blocks
-                # (docs/operations.md, "Clients that hang up").
-                job.task.cancel()
-                self.context.finish(CANCELLED)
-            else:
-                self.context.finish(ABANDONED)
-        self._budget.release()
-        self.context.close()
+        reply = prefill_error(outcome)
+        self.context.finish(Outcome.of(reply.kind))
+        self._deps.metrics.aborts.labels(when).inc()
+        fail(self.context.span, outcome.error or outcome.outcome.value)
+        return msg.immediate(reply)
 
 
 def _exhausted(exc: Exception) -> ErrorReply:
@@ -581,8 +702,8 @@ def _exhausted(exc: Exception) -> ErrorReply:
 
 
 def prefill_error(outcome: PrefillOutcome) -> ErrorReply:
-    if outcome.outcome == EXHAUSTED:
+    if outcome.outcome is PrefillResult.EXHAUSTED:
         return ErrorReply(ErrorKind.OVERLOADED, "the gateway is out of resources; retry later")
-    if outcome.outcome == "timeout":
+    if outcome.outcome is PrefillResult.TIMEOUT:
         return ErrorReply(ErrorKind.PREFILL_TIMEOUT, f"prefill timed out: {outcome.error}")
     return ErrorReply(ErrorKind.PREFILL_FAILED, f"prefill failed: {outcome.error}")

@@ -33,7 +33,7 @@ from pdproc.listeners import PortInUse
 from pdproc.metrics import MULTIPROC_ENV, Metrics
 from pdproc.pod_http import new_session
 from pdproc.prefill import PrefillLauncher
-from pdproc.service import ExtProcService
+from pdproc.service import ExtProcService, pod_feedback
 from pdproc.targets import AllowList, HostPort
 from pdproc.telemetry import Tracing
 
@@ -101,6 +101,7 @@ class Server:
             timeout_s=s.prefill_timeout,
             tracing=self.tracing,
             log_bodies=s.log_bodies,
+            on_outcome=pod_feedback(breakers, engines),
         )
         self._dns = DnsPool(s.prefill_dns, s.dns_refresh) if s.prefill_dns else None
         if self._dns is not None:

@@ -8,7 +8,6 @@ processor that answers it (see processors.py).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -19,20 +18,23 @@ from pdproc.bootstrap import EngineMaps
 from pdproc.breaker import POD_DOWN, CircuitBreakers
 from pdproc.budget import ByteBudget
 from pdproc.config import BootstrapPolicy, Settings
-from pdproc.connectors import Connector
+from pdproc.connectors import Concurrent, Connector
 from pdproc.discovery import DnsPool
 from pdproc.errors import ErrorKind, ErrorReply, shown
-from pdproc.metrics import Metrics
+from pdproc.ledger import Ledger
+from pdproc.metrics import Metrics, Outcome
 from pdproc.picker import BadRequest, Chosen, Forbidden, NoTarget, Unavailable, pick_target
-from pdproc.prefill import NOT_THE_POD, PrefillJob, PrefillLauncher, PrefillOutcome
+from pdproc.prefill import NOT_THE_POD, OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.processors import (
     Abort,
+    ConcurrentPair,
     DecodeOnly,
-    Disaggregated,
+    Deps,
     PassThrough,
     Rejected,
     RequestContext,
     RequestProcessor,
+    SequentialPair,
 )
 from pdproc.request_ids import is_plain, new_request_id
 from pdproc.stream import ServicerContext, Stream
@@ -67,7 +69,15 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.draining = False  # shutting down: no new prefills, the decode serves alone
         self._outcome_counters: dict[tuple[str, str, str], Any] = {}
         self.budget = ByteBudget(settings.max_inflight_bytes, metrics.bodies_bytes.set)
-        launcher.set_hook(self.on_prefill_outcome)
+        self.deps = Deps(
+            settings=settings,
+            metrics=metrics,
+            budget=self.budget,
+            engines=engines,
+            launcher=launcher,
+            pod_failed=breakers.record,
+            admits=self.admits,
+        )
 
     async def Process(
         self,
@@ -109,12 +119,17 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             )
         span = self.tracing.request_span(headers, path, method, call_metadata)
         context = RequestContext(
-            self, headers, path, span, single_message=single_message, id_replaced=replaced
+            headers,
+            path,
+            span,
+            Ledger(self, path, span),
+            single_message=single_message,
+            id_replaced=replaced,
         )
         if end_of_stream or method != "POST" or path not in self.settings.pd_path:
             return PassThrough(context)
         if self.draining:
-            return DecodeOnly(context, "passthrough")
+            return DecodeOnly(context, self.deps, Outcome.PASSTHROUGH)
         pick = pick_target(
             headers.get(PREFILL_HEADER),
             self.pool(),
@@ -128,29 +143,30 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 # Pool mode may leave a short prompt to the decode; an endpoint picker's
                 # choice is kept.
                 min_prompt = self.settings.pd_min_prompt if from_pool else 0
-                return Disaggregated(
-                    context,
-                    target,
-                    abort,
-                    min_prompt=min_prompt,
-                )
+                # The pair follows the connector's kind.
+                connector = self.connector
+                if isinstance(connector, Concurrent):
+                    return ConcurrentPair(
+                        context, self.deps, connector, target, abort, min_prompt=min_prompt
+                    )
+                return SequentialPair(context, self.deps, connector, target, min_prompt=min_prompt)
             case NoTarget():
-                return DecodeOnly(context, "passthrough")
+                return DecodeOnly(context, self.deps, Outcome.PASSTHROUGH)
             case Unavailable(reason):
                 if self.settings.on_bootstrap_error is BootstrapPolicy.DECODE_ONLY:
-                    return DecodeOnly(context, "decode_only", reason)
+                    return DecodeOnly(context, self.deps, Outcome.DECODE_ONLY, reason)
                 return Rejected(context, ErrorReply(ErrorKind.PREFILL_UNAVAILABLE, reason))
             case Forbidden(reason):
                 return Rejected(context, ErrorReply(ErrorKind.FORBIDDEN, reason))
             case BadRequest(reason):
                 return Rejected(context, ErrorReply(ErrorKind.BAD_REQUEST, reason))
 
-    def body_budget(self, size: int) -> contextlib.AbstractContextManager[bool]:
-        """Hold `size` request-body bytes while a body is processed; False (and nothing
-        held) when that would pass --max-inflight-bytes."""
-        return self.budget.hold(size)
+    def ledger(self, path: str) -> Ledger:
+        """A ledger for a stream that never became a request (its first message unreadable,
+        or a bug before its processor existed)."""
+        return Ledger(self, path)
 
-    def count(self, path: str, outcome: str) -> None:
+    def count(self, path: str, outcome: Outcome) -> None:
         key = (path if path in self.settings.pd_path else "other", outcome, self.connector.name)
         counter = self._outcome_counters.get(key)
         if counter is None:
@@ -175,12 +191,18 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self.dns_pool is not None and target in self.dns_pool.members
         )
 
-    def on_prefill_outcome(self, job: PrefillJob, outcome: PrefillOutcome) -> None:
+
+def pod_feedback(breakers: CircuitBreakers, engines: EngineMaps) -> OutcomeHook:
+    """What a prefill's outcome teaches about its pod (the launcher calls it for each)."""
+
+    def on_prefill_outcome(job: PrefillJob, outcome: PrefillOutcome) -> None:
         if outcome.outcome in NOT_THE_POD:
             return  # pdproc's own failure, or the client leaving, says nothing about the pod
-        self.breakers.record(job.target, outcome.outcome)
+        breakers.record(job.target, outcome.outcome)
         if not outcome.ok and outcome.outcome != POD_DOWN:
             # The pod may have restarted with new engine ids: ask again next time. (A port
             # that refuses connections says nothing about the host's bootstrap server, and
             # any port of an allowed host can be named by a client.)
-            self.engines.invalidate(job.target)
+            engines.invalidate(job.target)
+
+    return on_prefill_outcome

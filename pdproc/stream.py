@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from enum import Enum
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from pdproc import envoy_messages as msg
+from pdproc import extproc_messages as msg
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.errors import ErrorKind, ErrorReply
-from pdproc.processors import Deferred, RequestProcessor
-
-if TYPE_CHECKING:
-    from pdproc.service import ExtProcService
+from pdproc.ledger import Ledger
+from pdproc.metrics import Outcome
+from pdproc.processors import Abort, Deferred, RequestProcessor
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +42,25 @@ class Phase(Enum):
     DONE = "done"  # an immediate response went out: Envoy is closing the stream
 
 
+class Requests(Protocol):
+    """Where a stream's request gets its processor (pdproc.service.ExtProcService)."""
+
+    def open_request(
+        self,
+        headers: dict[str, str],
+        end_of_stream: bool,
+        *,
+        single_message: bool,
+        call_metadata: Callable[[], Mapping[str, str]],
+        abort: Abort,
+    ) -> RequestProcessor: ...
+
+    def ledger(self, path: str) -> Ledger: ...
+
+
 class Stream:
-    def __init__(self, service: ExtProcService, context: ServicerContext) -> None:
-        self._service = service
+    def __init__(self, requests: Requests, context: ServicerContext) -> None:
+        self._requests = requests
         self._context = context
         self.phase = Phase.REQUEST_HEADERS
         self._processor: RequestProcessor | None = None
@@ -67,8 +82,7 @@ class Stream:
                 # fail open, and the client would pass unchecked).
                 log.warning("unreadable ext_proc message: %s", exc)
                 reply = ErrorReply(ErrorKind.BAD_REQUEST, "request headers are not valid UTF-8")
-                self._service.count("", reply.kind.value)
-                await self._write(msg.immediate(reply))
+                await self._write(self._refuse(reply))
                 return
             if message is grpc.aio.EOF:
                 return  # Envoy resets the stream right after: leave now
@@ -84,63 +98,79 @@ class Stream:
             await self._deliver(answer)
 
     def _internal_error(self) -> msg.Response:
-        reply = ErrorReply(ErrorKind.INTERNAL, "internal error in pdproc")
+        return self._refuse(ErrorReply(ErrorKind.INTERNAL, "internal error in pdproc"))
+
+    def _refuse(self, reply: ErrorReply) -> msg.Response:
+        """Answer in Envoy's place, counted in the request's ledger (a stream that never
+        became a request gets one of its own)."""
         if self._processor is not None:
             return self._processor.context.reject(reply)
+        self._requests.ledger("").record(Outcome.of(reply.kind))
         return msg.immediate(reply)
 
     def close(self) -> None:
+        """The stream ended, whatever ended it: its request's ledger is settled here."""
         for task in self._background:
             task.cancel()
-        if self._processor is not None:
-            # Ended before the decode's answer reached the client: the client left (or
-            # Envoy gave up). Counted once, whatever the phase.
-            self._processor.close(abandoned=not self._answered and self.phase is not Phase.DONE)
+        processor = self._processor
+        if processor is None:
+            return
+        # Ended before the decode's answer reached the client: the client left (or Envoy
+        # gave up), at whatever phase.
+        outcome = processor.close(abandoned=not self._answered and self.phase is not Phase.DONE)
+        if outcome is not None:
+            processor.context.finish(outcome)
+        processor.context.close()
 
     async def _answer(self, message: pb.ProcessingRequest) -> msg.Response | Deferred:
         kind = message.WhichOneof("request")
-        processor = self._processor
         if kind == "request_headers":
-            if self.phase is not Phase.REQUEST_HEADERS or processor is not None:
-                log.warning("duplicate request headers message; answered without processing")
-                return msg.CONTINUE_REQUEST_HEADERS
-            headers = msg.header_dict(message.request_headers)
-            end = message.request_headers.end_of_stream
-            processor = self._open(headers, end, single_message=False)
-            self.phase = Phase.RESPONSE_HEADERS if end else Phase.REQUEST_BODY
-            return await processor.request_headers()
+            return await self._request_headers(message.request_headers)
         if kind == "request_body":
-            if processor is None and self.phase is Phase.REQUEST_HEADERS:
-                # Single-message mode (request headers SKIP): the headers came as attributes.
-                attributes = msg.headers_from_attributes(message)
-                if attributes is None:
-                    return msg.CONTINUE_REQUEST_BODY  # a body before any headers
-                processor = self._open(attributes, False, single_message=True)
-                self.phase = Phase.REQUEST_BODY
-            if processor is None or self.phase is not Phase.REQUEST_BODY:
-                return msg.CONTINUE_REQUEST_BODY  # a repeated end_of_stream
-            if message.request_body.end_of_stream:
-                self.phase = Phase.RESPONSE_HEADERS
-            return await processor.request_body(message.request_body)
+            return await self._request_body(message)
         if kind == "response_headers":
             self.phase = Phase.RESPONSE
-            if processor is None:
+            if self._processor is None:
                 return msg.CONTINUE_RESPONSE_HEADERS
-            return processor.response_headers(message.response_headers)
+            return self._processor.response_headers(message.response_headers)
         if kind == "request_trailers":
-            if processor is None or self.phase is not Phase.REQUEST_BODY:
+            if self._processor is None or self.phase is not Phase.REQUEST_BODY:
                 return msg.CONTINUE_REQUEST_TRAILERS
             self.phase = Phase.RESPONSE_HEADERS
-            return processor.request_trailers()
+            return self._processor.request_trailers()
         if kind in msg.CONTINUE:
             return msg.CONTINUE[kind]
         log.warning("unexpected ext_proc message %r ignored", kind)
         return msg.CONTINUE_REQUEST_BODY
 
+    async def _request_headers(self, headers: pb.HttpHeaders) -> msg.Response | Deferred:
+        if self.phase is not Phase.REQUEST_HEADERS or self._processor is not None:
+            log.warning("duplicate request headers message; answered without processing")
+            return msg.CONTINUE_REQUEST_HEADERS
+        end = headers.end_of_stream
+        processor = self._open(msg.header_dict(headers), end, single_message=False)
+        self.phase = Phase.RESPONSE_HEADERS if end else Phase.REQUEST_BODY
+        return await processor.request_headers()
+
+    async def _request_body(self, message: pb.ProcessingRequest) -> msg.Response | Deferred:
+        processor = self._processor
+        if processor is None and self.phase is Phase.REQUEST_HEADERS:
+            # Single-message mode (request headers SKIP): the headers came as attributes.
+            attributes = msg.headers_from_attributes(message)
+            if attributes is None:
+                return msg.CONTINUE_REQUEST_BODY  # a body before any headers
+            processor = self._open(attributes, False, single_message=True)
+            self.phase = Phase.REQUEST_BODY
+        if processor is None or self.phase is not Phase.REQUEST_BODY:
+            return msg.CONTINUE_REQUEST_BODY  # a repeated end_of_stream
+        if message.request_body.end_of_stream:
+            self.phase = Phase.RESPONSE_HEADERS
+        return await processor.request_body(message.request_body)
+
     def _open(
         self, headers: dict[str, str], end_of_stream: bool, *, single_message: bool
     ) -> RequestProcessor:
-        processor = self._service.open_request(
+        processor = self._requests.open_request(
             headers,
             end_of_stream,
             single_message=single_message,

@@ -2,9 +2,10 @@
 
 A connector is pure. Given the parsed request and the chosen prefill pod (and, for
 Mooncake, the pod's engine map) it builds the prefill leg and, when the decode does not
-depend on the prefill's answer, the decode leg too; it says whether the prefill runs
-before the decode (NIXL v2) or beside it (Mooncake, SGLang), and what a failed prefill
-means for the client. The ext_proc stream does not know which connector it runs.
+depend on the prefill's answer, the decode leg too. Its kind says whether the prefill runs
+before the decode (`Sequential`: NIXL v2, which also says what a failed prefill means for
+the client) or beside it (`Concurrent`: Mooncake, SGLang). The processors know the kind,
+never which connector runs; a new connector is one module here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 from pdproc.request_body import with_fields
 from pdproc.targets import HostPort
@@ -36,7 +37,8 @@ class Legs:
     cannot be built is the client's 400, never a failed prefill."""
 
     prefill_body: bytes
-    # None when the decode leg is built from the prefill's answer (sequential connectors).
+    # None when the decode leg is built from the prefill's answer (sequential connectors),
+    # or streamed to the decode with the plan's fields spliced into its tail.
     decode_body: bytes | None
     # Connector headers of the prefill request (the data-parallel rank, the request id), on
     # top of the client's end-to-end headers.
@@ -56,6 +58,8 @@ class Plan:
     prefill_headers: Mapping[str, str]
     rank: int | None = None
     facts: Mapping[str, str | int] = field(default_factory=dict)
+    # What the connector keeps for the prefill leg (Mooncake: its kv_transfer_params).
+    prefill_params: Mapping[str, Any] = field(default_factory=dict)
 
 
 class AnswerError(ValueError):
@@ -69,19 +73,21 @@ class NoKvParams(AnswerError):
 
 
 class OnFailure(Enum):
-    """What a failed prefill means for the client."""
+    """What a failed prefill means for the client (sequential connectors: a concurrent
+    connector's failed prefill always ends the request, its decode waiting for KV that
+    will never come)."""
 
-    ABORT = "abort"  # an error answer; the decode (if started) is cancelled
     PASS_THROUGH = "pass_through"  # the prefill's own answer goes back as it is
     DECODE_ALONE = "decode_alone"  # the decode serves the original request alone
 
 
-class Connector(Protocol):
+class Sequential(Protocol):
+    """A connector whose prefill runs to completion before the decode is sent: the decode
+    leg is built from the prefill's answer (NIXL v2)."""
+
     name: str
-    # Needs the prefill pod's engine map (Mooncake's bootstrap /query) to build the legs.
+    # Needs the prefill pod's engine map (pdproc.bootstrap) to build the legs.
     uses_engines: bool
-    # The prefill runs to completion before the decode is sent (its answer feeds the decode).
-    sequential: bool
 
     def legs(
         self,
@@ -90,7 +96,7 @@ class Connector(Protocol):
         engines: EngineMap | None,
         busy_ranks: Mapping[int, int],
     ) -> Legs:
-        """Both legs (or the prefill leg alone); BodyError when the body cannot be carried."""
+        """The prefill leg (`decode_body` None); BodyError when the body cannot be carried."""
         ...
 
     def decode_body(
@@ -100,9 +106,9 @@ class Connector(Protocol):
         target: HostPort,
         admits: Callable[[HostPort], bool],
     ) -> bytes:
-        """Sequential connectors: the decode leg from the prefill pod `target`'s answer;
-        AnswerError when the answer cannot be used (`admits`: whether the gateway would let
-        an address be a KV source: the allow list and the pool)."""
+        """The decode leg from the prefill pod `target`'s answer; AnswerError when the answer
+        cannot be used (`admits`: whether the gateway would let an address be a KV source:
+        the allow list and the pool)."""
         ...
 
     def on_failure(self, status: int | None) -> OnFailure:
@@ -114,9 +120,10 @@ class Concurrent:
     """Base of the connectors whose prefill runs beside the decode (Mooncake, SGLang): both
     legs are built up front, and a failed prefill ends the request, because the decode is
     already waiting for KV that will never come. The legs come from a `Plan` made before the
-    body is read."""
+    body is read, so a large body can flow on to the decode while it arrives."""
 
-    sequential = False
+    name: str
+    uses_engines: bool = False
 
     def plan(
         self, target: HostPort, engines: EngineMap | None, busy_ranks: Mapping[int, int]
@@ -127,21 +134,13 @@ class Concurrent:
         """The prefill leg (`decode_body`, when built, may be reused)."""
         raise NotImplementedError
 
-    def legs(
-        self,
-        request: ClientRequest,
-        target: HostPort,
-        engines: EngineMap | None,
-        busy_ranks: Mapping[int, int],
-    ) -> Legs:
-        return self.build(request, self.plan(target, engines, busy_ranks))
+    def decode_leg(self, request: ClientRequest, plan: Plan) -> bytes:
+        """The decode leg: the client's body with the plan's decode fields."""
+        return with_fields(request.raw, request.parsed, plan.decode_fields)
 
-    def build(self, request: ClientRequest, plan: Plan, *, decode: bool = True) -> Legs:
-        """The legs of one request. Without `decode` the decode leg is left out: the body is
-        streamed to the decode with `plan.decode_fields` spliced into its tail."""
-        decode_body = (
-            with_fields(request.raw, request.parsed, plan.decode_fields) if decode else None
-        )
+    def prefill_leg(self, request: ClientRequest, plan: Plan, decode_body: bytes | None) -> Legs:
+        """The prefill leg; `decode_body` is the decode leg when it was built (None when the
+        body is streamed to the decode with `plan.decode_fields` spliced into its tail)."""
         return Legs(
             prefill_body=self.prefill_body(request, plan, decode_body),
             decode_body=decode_body,
@@ -150,14 +149,18 @@ class Concurrent:
             facts=plan.facts,
         )
 
-    def decode_body(
+    def legs(
         self,
         request: ClientRequest,
-        prefill_answer: bytes,
         target: HostPort,
-        admits: Callable[[HostPort], bool],
-    ) -> bytes:
-        raise NotImplementedError(f"{type(self).__name__} builds the decode leg up front")
+        engines: EngineMap | None,
+        busy_ranks: Mapping[int, int],
+    ) -> Legs:
+        """Both legs of one request."""
+        plan = self.plan(target, engines, busy_ranks)
+        return self.prefill_leg(request, plan, self.decode_leg(request, plan))
 
-    def on_failure(self, status: int | None) -> OnFailure:
-        return OnFailure.ABORT
+
+Connector: TypeAlias = Concurrent | Sequential
+"""Every connector is one of the two kinds; the processor that runs a P/D pair is chosen by
+the kind (pdproc.processors), never by the connector's name."""

@@ -510,7 +510,7 @@ async def test_a_bug_in_a_held_answer_is_a_500_not_a_timeout(
         raise RuntimeError("simulated bug")
 
     # A stand-in, as above: a defect in the deferred path cannot be produced otherwise.
-    monkeypatch.setattr(processors.Disaggregated, "_settled", broken)
+    monkeypatch.setattr(processors.ConcurrentPair, "_settled", broken)
     await h.faults(prefill_hang=True)
     call = await h.past_headers()
     await call.write(body_msg(CHAT))

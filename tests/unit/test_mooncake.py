@@ -1,4 +1,4 @@
-"""Body checks, rewriting, priming, engine-map parsing and rank choice: pure logic."""
+"""Body checks, rewriting, priming, and rank choice: pure logic."""
 
 from __future__ import annotations
 
@@ -224,39 +224,6 @@ def test_parse_body_rejects_non_objects(raw: bytes, message: str) -> None:
         rb.parse_body(raw)
 
 
-def test_engine_map_good() -> None:
-    payload = orjson.dumps(
-        {
-            "0": {"engine_id": "e0", "worker_addr": {"0": {"0": "tcp://10.0.0.1:5000"}}},
-            "1": {"engine_id": "e1", "worker_addr": {}},
-        }
-    )
-    assert mooncake.parse_engine_map(payload) == {0: "e0", 1: "e1"}
-
-
-def test_engine_map_skips_ranks_without_string_id_and_nulls() -> None:
-    payload = orjson.dumps(
-        {"0": {"engine_id": 42}, "1": None, "2": {"engine_id": "e2"}, "x": {"engine_id": "ex"}}
-    )
-    assert mooncake.parse_engine_map(payload) == {2: "e2"}
-
-
-@pytest.mark.parametrize(
-    ("payload", "message"),
-    [
-        (b"{}", "engine_id not found"),
-        (b'{"0": {"engine_id": null}}', "engine_id not found"),
-        (b'{"0": {"worker_addr": {}}}', "engine_id not found"),
-        (b"<html>oops</html>", "failed to parse"),
-        (b"[]", "not a JSON object"),
-        (b'{"0": "e0"}', "not an object"),
-    ],
-)
-def test_engine_map_errors(payload: bytes, message: str) -> None:
-    with pytest.raises(mooncake.BootstrapError, match=message):
-        mooncake.parse_engine_map(payload)
-
-
 def test_pick_rank_prefers_fewest_in_flight() -> None:
     engines = {0: "e0", 1: "e1", 2: "e2"}
     assert mooncake.pick_rank(engines, {0: 3, 1: 1, 2: 2}) == (1, "e1")
@@ -282,13 +249,3 @@ def test_decode_body_splice_handles_whitespace(raw: bytes) -> None:
     parsed = rb.parse_body(raw)
     out = decode_body(raw, parsed, params())
     assert json.loads(out) == {**parsed, "kv_transfer_params": params()}
-
-
-def test_engine_map_bounds() -> None:
-    many = orjson.dumps({str(i): {"engine_id": f"e{i}"} for i in range(mooncake.MAX_RANKS + 1)})
-    with pytest.raises(mooncake.BootstrapError, match="more than"):
-        mooncake.parse_engine_map(many)
-    with pytest.raises(mooncake.BootstrapError, match="larger than"):
-        mooncake.parse_engine_map(b" " * (mooncake.MAX_QUERY_BYTES + 1))
-    with pytest.raises(mooncake.BootstrapError, match="too long"):
-        mooncake.parse_engine_map(orjson.dumps({"0": {"engine_id": "e" * 1000}}))

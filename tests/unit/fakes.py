@@ -1,0 +1,240 @@
+"""Stand-ins for what a processor or a stream is handed, so each is tested alone, in this
+process, with no server, no pod and no network: the engine maps, the prefill launcher, the
+outcome counter and Envoy's side of the gRPC stream. Each records what it was asked."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import grpc
+import orjson
+from opentelemetry.sdk.trace import Span as SdkSpan
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import Span
+
+from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from pdproc.bootstrap import BootstrapError
+from pdproc.budget import ByteBudget
+from pdproc.config import Settings
+from pdproc.connectors import EngineMap, Legs
+from pdproc.ledger import Ledger
+from pdproc.metrics import Metrics, Outcome, PrefillResult
+from pdproc.prefill import PrefillJob, PrefillOutcome
+from pdproc.processors import Deps, RequestContext
+from pdproc.targets import HostPort
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 50}
+CHAT_BYTES = orjson.dumps(CHAT)
+PATH = "/v1/chat/completions"
+POD = HostPort("10.0.0.7", 8000)
+
+
+class Counted:
+    """The outcome counter (pdproc.service.ExtProcService.count): what was counted."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[tuple[str, Outcome]] = []
+
+    def count(self, path: str, outcome: Outcome) -> None:
+        self.outcomes.append((path, outcome))
+
+    @property
+    def only(self) -> Outcome:
+        """The one outcome counted (fails unless exactly one was)."""
+        assert len(self.outcomes) == 1, self.outcomes
+        return self.outcomes[0][1]
+
+
+class FakeEngines:
+    def __init__(self, engines: EngineMap | None = None) -> None:
+        self.engines = engines or {0: "engine-0"}
+        self.error: BootstrapError | None = None
+        self.prefetched: list[HostPort] = []
+        self.invalidated: list[HostPort] = []
+
+    def prefetch(self, target: HostPort, span: Span | None = None) -> None:
+        self.prefetched.append(target)
+
+    async def get(self, target: HostPort, span: Span | None = None) -> EngineMap:
+        if self.error is not None:
+            raise self.error
+        return self.engines
+
+    def invalidate(self, target: HostPort) -> None:
+        self.invalidated.append(target)
+
+
+class FakeLauncher:
+    """Launches nothing: each job's outcome is settled by the test (`settle`). Its task
+    stands for the exchange with the pod: cancelled, it settles `cancelled` as the real
+    launcher's does."""
+
+    timeout_s = 60.0
+
+    def __init__(self) -> None:
+        self.jobs: list[PrefillJob] = []
+
+    def in_flight_by_rank(self, target: HostPort) -> Mapping[int, int]:
+        return {}
+
+    def launch(
+        self,
+        *,
+        target: HostPort,
+        legs: Legs,
+        path: str,
+        client_headers: Mapping[str, str],
+        parent_span: Span | None = None,
+        log_fields: Mapping[str, Any] | None = None,
+        keep_answer: bool = False,
+    ) -> PrefillJob:
+        loop = asyncio.get_running_loop()
+        job = PrefillJob(
+            target,
+            legs,
+            client_headers.get("x-request-id", ""),
+            path,
+            time.perf_counter(),
+            loop.create_future(),
+            keep_answer=keep_answer,
+            log_fields=dict(log_fields or {}),
+        )
+        job.task = loop.create_task(self._exchange(job))
+        self.jobs.append(job)
+        return job
+
+    async def _exchange(self, job: PrefillJob) -> None:
+        try:
+            await asyncio.shield(job.outcome)
+        except asyncio.CancelledError:
+            _settle(job, PrefillResult.CANCELLED)
+            raise
+
+    @property
+    def job(self) -> PrefillJob:
+        assert len(self.jobs) == 1, self.jobs
+        return self.jobs[0]
+
+    async def close(self) -> None:
+        for job in self.jobs:
+            if job.task is not None and not job.task.done():
+                job.task.cancel()
+                await asyncio.gather(job.task, return_exceptions=True)
+
+
+async def settle(job: PrefillJob, result: PrefillResult, **kw: Any) -> None:
+    """The prefill ends with `result`; what waits on it (callbacks included) has run."""
+    _settle(job, result, **kw)
+    await asyncio.sleep(0)
+
+
+def _settle(job: PrefillJob, result: PrefillResult, **kw: Any) -> None:
+    if not job.outcome.done():
+        job.outcome.set_result(PrefillOutcome(result, 0.01, **kw))
+
+
+class World:
+    """One process's worth of dependencies, all fakes but the settings, metrics and budget."""
+
+    def __init__(self, **settings: Any) -> None:
+        self.settings = Settings(**settings)
+        self.metrics = Metrics()
+        self.budget = ByteBudget(self.settings.max_inflight_bytes)
+        self.engines = FakeEngines()
+        self.launcher = FakeLauncher()
+        self.pod_failures: list[tuple[HostPort, str]] = []
+        self.admitted: set[HostPort] = set()
+        self.counted = Counted()
+        self.aborts: list[pb.ProcessingResponse] = []
+        self.deps = Deps(
+            settings=self.settings,
+            metrics=self.metrics,
+            budget=self.budget,
+            engines=self.engines,
+            launcher=self.launcher,
+            pod_failed=lambda target, outcome: self.pod_failures.append((target, outcome)),
+            admits=self.admitted.__contains__,
+        )
+
+    def context(
+        self,
+        headers: Mapping[str, str] | None = None,
+        *,
+        single_message: bool = False,
+        id_replaced: bool = False,
+        span: Span | None = None,
+    ) -> RequestContext:
+        values = {":path": PATH, ":method": "POST", "x-request-id": "req-1", **(headers or {})}
+        return RequestContext(
+            values,
+            PATH,
+            span,
+            Ledger(self.counted, PATH, span),
+            single_message=single_message,
+            id_replaced=id_replaced,
+        )
+
+    def abort(self, response: pb.ProcessingResponse) -> None:
+        self.aborts.append(response)
+
+
+def recording_span() -> SdkSpan:
+    span = TracerProvider().get_tracer("pdproc-tests").start_span("request")
+    assert isinstance(span, SdkSpan)
+    return span
+
+
+def body(raw: bytes = CHAT_BYTES, end_of_stream: bool = True) -> pb.HttpBody:
+    return pb.HttpBody(body=raw, end_of_stream=end_of_stream)
+
+
+def response_headers(status: str = "200") -> pb.HttpHeaders:
+    return pb.HttpHeaders(
+        headers=HeaderMap(headers=[HeaderValue(key=":status", raw_value=status.encode())])
+    )
+
+
+class FakeCall:
+    """Envoy's side of one ext_proc stream, as grpc.aio's servicer context shows it: what
+    Envoy sends is queued by the test (`send`, `end`), what pdproc writes is kept."""
+
+    def __init__(self, metadata: tuple[tuple[str, Any], ...] = ()) -> None:
+        self._incoming: asyncio.Queue[Any] = asyncio.Queue()
+        self.written: list[pb.ProcessingResponse] = []
+        self.wrote = asyncio.Event()
+        self.fail_writes: BaseException | None = None
+        self._metadata = metadata
+
+    def send(self, message: pb.ProcessingRequest | BaseException) -> None:
+        self._incoming.put_nowait(message)
+
+    def end(self) -> None:
+        self._incoming.put_nowait(grpc.aio.EOF)
+
+    async def read(self) -> Any:
+        message = await self._incoming.get()
+        if isinstance(message, BaseException):
+            raise message
+        return message
+
+    async def write(self, response: pb.ProcessingResponse) -> None:
+        if self.fail_writes is not None:
+            raise self.fail_writes
+        self.written.append(response)
+        self.wrote.set()
+
+    def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
+        return self._metadata
+
+    async def next_write(self) -> pb.ProcessingResponse:
+        """Wait (bounded) for the next answer written after the ones already seen."""
+        seen = len(self.written)
+        async with asyncio.timeout(10):
+            while len(self.written) == seen:
+                self.wrote.clear()
+                await self.wrote.wait()
+        return self.written[seen]

@@ -1,0 +1,83 @@
+"""Which prefill pod serves a request: the picker's pure decision, on every kind of header
+and pool (pdproc.picker)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from pdproc.picker import BadRequest, Chosen, Forbidden, NoTarget, Pick, Unavailable, pick_target
+from pdproc.targets import AllowList, HostPort
+
+A = HostPort("10.0.0.1", 8000)
+B = HostPort("10.0.0.2", 8000)
+ALLOWED = AllowList.parse(["10.0.0.0/24"])
+
+
+def pick(
+    header: str | None,
+    pool: Sequence[HostPort] = (),
+    *,
+    allow: AllowList = ALLOWED,
+    down: frozenset[HostPort] = frozenset(),
+    in_flight: Callable[[HostPort], int] = lambda _: 0,
+) -> Pick:
+    return pick_target(
+        header,
+        pool,
+        allow=allow,
+        in_pool=lambda target: target in pool,
+        breaker_allows=lambda target: target not in down,
+        in_flight=in_flight,
+    )
+
+
+def test_the_endpoint_pickers_choice_is_kept() -> None:
+    assert pick("10.0.0.2:8000", [A]) == Chosen(B, from_pool=False)
+
+
+def test_the_first_entry_of_a_list_is_the_target() -> None:
+    assert pick(" , 10.0.0.1:8000, 10.0.0.2:8000") == Chosen(A)
+
+
+@pytest.mark.parametrize("header", ["", " ", ",", " , "])
+def test_a_header_naming_no_pod_means_no_disaggregation(header: str) -> None:
+    assert pick(header, [A]) == NoTarget()
+
+
+def test_no_header_and_no_pool_is_no_disaggregation() -> None:
+    assert pick(None) == NoTarget()
+
+
+def test_the_pool_member_with_fewest_prefills_in_flight_is_chosen() -> None:
+    busy = {A: 3, B: 1}
+    assert pick(None, [A, B], in_flight=busy.__getitem__) == Chosen(B, from_pool=True)
+
+
+def test_a_pool_member_whose_breaker_is_open_is_skipped() -> None:
+    busy = {A: 3, B: 1}
+    chosen = pick(None, [A, B], down=frozenset({B}), in_flight=busy.__getitem__)
+    assert chosen == Chosen(A, from_pool=True)
+
+
+def test_a_pool_all_failing_is_unavailable() -> None:
+    assert isinstance(pick(None, [A, B], down=frozenset({A, B})), Unavailable)
+
+
+def test_a_malformed_header_is_the_clients_error() -> None:
+    assert isinstance(pick("not a host:port:x"), BadRequest)
+
+
+def test_a_target_outside_the_allow_list_is_forbidden() -> None:
+    result = pick("192.168.1.1:8000", allow=AllowList.parse([]))
+    assert isinstance(result, Forbidden)
+    assert "192.168.1.1" in result.reason
+
+
+def test_a_pool_member_is_allowed_without_the_allow_list() -> None:
+    assert pick("10.0.0.1:8000", [A], allow=AllowList.parse([])) == Chosen(A)
+
+
+def test_a_named_target_whose_breaker_is_open_is_unavailable() -> None:
+    assert isinstance(pick("10.0.0.1:8000", down=frozenset({A})), Unavailable)
