@@ -175,10 +175,11 @@ bench-smoke: $(STAMP)
 	$(PY) -m pip install --quiet -r bench/requirements.txt
 	$(PY) -m bench.run --smoke
 
-# The reference config in envoy/ is generated; this regenerates it after a template change.
+# The reference Envoy config (deploy/standalone/envoy.yaml) is generated; this regenerates it
+# after a template change.
 envoy-config: $(STAMP)
 	$(VENV)/bin/pdproc envoy-config --listen 0.0.0.0:10000 --processor 127.0.0.1:9002 \
-	  --decode 127.0.0.1:8200 --admin 127.0.0.1:9901 > envoy/pdproc.yaml
+	  --decode 127.0.0.1:8200 --admin 127.0.0.1:9901 > deploy/standalone/envoy.yaml
 
 # Everything `make test` and `make demo` leave behind: the checkout's virtualenvs and builds,
 # the user cache the deploy validator and the Envoy matrix share between checkouts

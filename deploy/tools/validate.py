@@ -15,7 +15,8 @@ own virtualenv; a missing tool is an error, never a skip):
               variable names against README.md's settings table, Pod Security "restricted",
               the endpoint picker's flags and RBAC against its pinned release, NetworkPolicy,
               monitoring, placeholders.
-  4. envoy    `envoy --mode validate` on deploy/compose/envoy.yaml and on a model of an
+  4. envoy    `envoy --mode validate` on the Envoy configs (deploy/compose/envoy.yaml,
+              deploy/standalone/envoy.yaml) and on a model of an
               Istio 1.28 gateway with each EnvoyFilter applied (deploycheck/istio.py): a
               patch naming a filter the gateway does not have is an error.
   5. promql   the PrometheusRule's and the dashboard's queries parsed, metric names checked.
@@ -531,9 +532,9 @@ def check_compose_envoy(path: Path, label: str, report: Report) -> None:
 
 
 def check_lua(repo: Path, docs_by_set: dict[str, list[Doc]], report: Report) -> None:
-    """The Lua guard is pdproc's file (pdproc/envoy/*.lua); the gateway manifests carry it
+    """The Lua guard is pdproc's file (pdproc/envoy_config/*.lua); the gateway manifests carry it
     inline (deploy/tools/sync_lua.py writes it): they must carry exactly that text."""
-    sources = sorted((repo / "pdproc" / "envoy").glob("*.lua"))
+    sources = sorted((repo / "pdproc" / "envoy_config").glob("*.lua"))
     if not sources:
         return
     expected = {p.read_text("utf-8") for p in sources}
@@ -543,7 +544,7 @@ def check_lua(repo: Path, docs_by_set: dict[str, list[Doc]], report: Report) -> 
                 if text not in expected:
                     report.error(
                         doc.where,
-                        f"{label}: embedded Lua differs from pdproc/envoy/*.lua; run "
+                        f"{label}: embedded Lua differs from pdproc/envoy_config/*.lua; run "
                         "python deploy/tools/sync_lua.py",
                     )
                 else:

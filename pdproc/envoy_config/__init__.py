@@ -1,8 +1,8 @@
 """`pdproc envoy-config`: a complete Envoy bootstrap with pdproc in the filter chain.
 
-The template (`envoy/bootstrap.yaml.tmpl`) carries the reasoning for every non-default
-setting as comments, and `envoy/kv_guard.lua` is the Lua filter it embeds; this module only
-fills in addresses, sizes, timeouts, the P/D paths and the TLS files.
+The template beside this module (`bootstrap.yaml.tmpl`) carries the reasoning for every
+non-default setting as comments, and `kv_guard.lua` is the Lua filter it embeds; this module
+only fills in addresses, sizes, timeouts, the P/D paths and the TLS files.
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ _PD_VARIANT_BODY = json.dumps(
 
 def kv_guard_source() -> str:
     """The kv guard Lua filter (also for manifests that embed it elsewhere)."""
-    return resources.files("pdproc").joinpath("envoy/kv_guard.lua").read_text("utf-8")
+    return resources.files("pdproc.envoy_config").joinpath("kv_guard.lua").read_text("utf-8")
 
 
 def _indented(text: str, spaces: int) -> str:
@@ -333,7 +333,7 @@ def _tls_socket(options: EnvoyOptions) -> str:
 
 def render(options: EnvoyOptions) -> str:
     template = Template(
-        resources.files("pdproc").joinpath("envoy/bootstrap.yaml.tmpl").read_text("utf-8")
+        resources.files("pdproc.envoy_config").joinpath("bootstrap.yaml.tmpl").read_text("utf-8")
     )
     text = template.substitute(
         admin_host=options.admin.host,
