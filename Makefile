@@ -164,8 +164,10 @@ test-engines:
 	PDPROC_TEST_ENGINES=1 $(INSTALLED_ENV) \
 	  $(TPY) -m pytest -q -p no:cacheprovider -rxXs $(ENGINE_TESTS)
 
+# The fast loop: unit tests, pdproc over real gRPC in process (integration), and the security
+# tests that need no Envoy (tests/security marks the others e2e).
 unit: $(STAMP)
-	$(PY) -m pytest -q tests/unit tests/integration
+	$(PY) -m pytest -q tests/unit tests/integration tests/security -m "not e2e"
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -r bench/requirements.txt

@@ -33,7 +33,8 @@ import orjson
 import pytest
 from pdproc_sim.devstack import Stack, http_get, running_stack
 
-from .conftest import eventually
+from tests.stacks import reset
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -197,13 +198,6 @@ def access_log(stack: Stack, count: int) -> list[dict[str, Any]]:
 
     result: list[dict[str, Any]] = eventually(lines, timeout_s=30)
     return result
-
-
-def reset(stack: Stack) -> Stack:
-    for role in ("prefill", "decode"):
-        stack.sim_post(role, "/sim/faults", {"clear": True})
-        stack.sim_post(role, "/sim/reset")
-    return stack
 
 
 # --- pdproc up ----------------------------------------------------------------------------

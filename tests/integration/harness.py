@@ -3,11 +3,8 @@ of the ext_proc stream; the prefill pod is the simulator (a real HTTP server).""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from typing import Any
 
-import grpc
 import httpx
 from pdproc_sim import RunningPrefill
 
@@ -15,22 +12,15 @@ from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc 
 from pdproc.config import Settings
 from pdproc.server import Server
 from pdproc.targets import AllowList, HostPort
+from tests.envoy_side import channel, headers_msg, recv
 from tests.metric_samples import sample_sum
-
-from .messages import headers_msg, recv
 
 
 class Harness:
     def __init__(self, server: Server, prefill: RunningPrefill) -> None:
         self.server = server
         self.prefill = prefill
-        self.channel = grpc.aio.insecure_channel(
-            f"127.0.0.1:{server.port}",
-            options=[
-                ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),  # as Envoy: unlimited
-            ],
-        )
+        self.channel = channel(server.port)
         self.stub = pb_grpc.ExternalProcessorStub(self.channel)
 
     @property
@@ -61,17 +51,6 @@ class Harness:
         async with httpx.AsyncClient() as client:
             response = await client.post(self.prefill.url + "/sim/faults", json=faults)
             response.raise_for_status()
-
-
-async def eventually(check: Callable[[], Any], timeout_s: float = 10.0) -> None:
-    """Wait (bounded) for a condition that depends on background work."""
-    async with asyncio.timeout(timeout_s):
-        while not await _maybe_await(check()):
-            await asyncio.sleep(0.02)
-
-
-async def _maybe_await(value: Any) -> Any:
-    return await value if asyncio.iscoroutine(value) else value
 
 
 def base_settings(prefill: RunningPrefill) -> Settings:

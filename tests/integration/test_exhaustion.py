@@ -27,9 +27,8 @@ from pdproc_sim.devstack import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-
-from .harness import eventually
-from .messages import CHAT, body_msg, headers_msg, recv, response_headers_msg
+from tests.envoy_side import CHAT, body_msg, headers_msg, recv, response_headers_msg
+from tests.waiting import eventually_async
 
 LIMIT = 320
 REQUESTS = 360  # more prefills than descriptors
@@ -86,7 +85,7 @@ async def test_pdproc_out_of_descriptors_is_not_the_pods_fault(
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
     calls: list[Any] = []
     try:
-        await eventually(lambda: _ready(metrics_port), timeout_s=30)
+        await eventually_async(lambda: _ready(metrics_port), timeout_s=30)
         stub = pb_grpc.ExternalProcessorStub(channel)
         target = {"x-prefiller-host-port": prefill.address}
         # One whole request first: the engine map is cached.
@@ -156,7 +155,7 @@ async def _scrape_when_possible(metrics_port: int) -> str:
             return False
         return True
 
-    await eventually(got, timeout_s=30)
+    await eventually_async(got, timeout_s=30)
     return page[-1]
 
 

