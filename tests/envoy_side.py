@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import grpc
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from pdproc._proto.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import (
@@ -21,9 +23,18 @@ from pdproc._proto.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc._proto.google.protobuf.struct_pb2 import Struct
+from tests.metric_samples import sample_sum
+
+if TYPE_CHECKING:
+    from pdproc.server import Server
+    from pdproc.service import ExtProcService
 
 CHAT_PATH = "/v1/chat/completions"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 50}
+# What `Pdproc.play` sends when no body is given.
+DEFAULT_BODY = orjson.dumps(
+    {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+)
 PREFILL_HEADER = "x-prefiller-host-port"
 READ_TIMEOUT_S = 15.0
 _ids = itertools.count(1)
@@ -249,3 +260,52 @@ def _forwarded(message: pb.ProcessingResponse, body: bytes) -> bytes:
     if common.HasField("body_mutation"):
         return bytes(common.body_mutation.body)
     return body
+
+
+class Pdproc:
+    """A real pdproc `Server` in the test's process, and Envoy's side of its gRPC streams."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.channel = channel(server.port)
+        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
+        self.stopped = False
+
+    @property
+    def service(self) -> ExtProcService:
+        assert self.server.service is not None
+        return self.server.service
+
+    def open(self) -> Any:
+        """A new ext_proc stream, to write Envoy's messages on one by one."""
+        return self.stub.Process()
+
+    async def play(self, body: bytes = DEFAULT_BODY, **kw: Any) -> Outcome:
+        """One whole request as Envoy drives it (see `play`)."""
+        return await play(self.stub, body, **kw)
+
+    def sample(self, name: str, **labels: str) -> float:
+        """The sum of the samples `name` whose labels include `labels` (0 when none)."""
+        return sample_sum(self.server.metrics.registry, name, **labels)
+
+    async def metrics_page(self) -> str:
+        """The /metrics page, scraped over HTTP as Prometheus would."""
+        url = f"http://127.0.0.1:{self.server.metrics_port}/metrics"
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            assert response.status == 200
+            return await response.text()
+
+    async def series(self, name: str) -> list[dict[str, str]]:
+        """The label sets of every sample of `name` on the /metrics page."""
+        page = await self.metrics_page()
+        return [
+            dict(sample.labels)
+            for family in text_string_to_metric_families(page)
+            for sample in family.samples
+            if sample.name == name
+        ]
+
+    async def stop(self, **kw: Any) -> int:
+        self.stopped = True
+        await self.channel.close()
+        return await self.server.stop(**kw)

@@ -8,27 +8,22 @@ from typing import Any
 import httpx
 from pdproc_sim import RunningPrefill
 
-from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.config import Settings
 from pdproc.server import Server
 from pdproc.targets import AllowList, HostPort
-from tests.envoy_side import channel, headers_msg, recv
-from tests.metric_samples import sample_sum
+from tests.envoy_side import Pdproc, headers_msg, recv
 
 
-class Harness:
+class Harness(Pdproc):
+    """The shared in-process pdproc, with the simulated prefill pod it sends to."""
+
     def __init__(self, server: Server, prefill: RunningPrefill) -> None:
-        self.server = server
+        super().__init__(server)
         self.prefill = prefill
-        self.channel = channel(server.port)
-        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
 
     @property
     def target(self) -> dict[str, str]:
         return {"x-prefiller-host-port": self.prefill.address}
-
-    def open(self) -> Any:
-        return self.stub.Process()
 
     async def past_headers(self) -> Any:
         """A stream whose P/D request headers (aimed at the simulator) were answered."""
@@ -36,10 +31,6 @@ class Harness:
         await call.write(headers_msg(extra=self.target))
         await recv(call)
         return call
-
-    def sample(self, name: str, **labels: str) -> float:
-        """The sum of the samples `name{labels...}` (other labels, e.g. connector, free)."""
-        return sample_sum(self.server.metrics.registry, name, **labels)
 
     async def prefill_records(self) -> list[dict[str, Any]]:
         async with httpx.AsyncClient() as client:

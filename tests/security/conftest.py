@@ -17,29 +17,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import httpx
 import orjson
 import pytest
 from pdproc_sim.devstack import Stack, http_get, running_stack
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.config import Settings
 from pdproc.server import Server
-from pdproc.service import ExtProcService
 from pdproc.targets import AllowList, HostPort
-from tests.envoy_side import CHAT_PATH, Outcome, channel, play
-from tests.metric_samples import sample_sum
+from tests.envoy_side import CHAT_PATH, DEFAULT_BODY, Pdproc
 
 from .pods import HostilePod
 
-CHAT: dict[str, Any] = {
-    "model": "m",
-    "messages": [{"role": "user", "content": "Hello"}],
-    "max_tokens": 4,
-}
-CHAT_BYTES = orjson.dumps(CHAT)
+# The chat request `Pd.play` sends unless given a body.
+CHAT_BYTES = DEFAULT_BODY
+CHAT: dict[str, Any] = orjson.loads(CHAT_BYTES)
 # "seconds, not minutes": the only kind of time bound in this suite.
 SECONDS = 20.0
 
@@ -66,48 +59,8 @@ def deep_body(depth: int = 300) -> bytes:
     return b'{"model":"m","x":' + b"[" * depth + b"]" * depth + b"}"
 
 
-class Pd:
-    """A real pdproc `Server` in this process, and Envoy's side of its gRPC streams."""
-
-    def __init__(self, server: Server) -> None:
-        self.server = server
-        self.channel = channel(server.port)
-        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
-        self.stopped = False
-
-    @property
-    def service(self) -> ExtProcService:
-        assert self.server.service is not None
-        return self.server.service
-
-    async def play(self, body: bytes = CHAT_BYTES, **kw: Any) -> Outcome:
-        return await play(self.stub, body, **kw)
-
-    def sample(self, name: str, **labels: str) -> float:
-        """The sum of the samples `name` whose labels include `labels` (0 when none)."""
-        return sample_sum(self.server.metrics.registry, name, **labels)
-
-    async def metrics_page(self) -> str:
-        """The /metrics page, scraped over HTTP as Prometheus would."""
-        url = f"http://127.0.0.1:{self.server.metrics_port}/metrics"
-        async with aiohttp.ClientSession() as session, session.get(url) as response:
-            assert response.status == 200
-            return await response.text()
-
-    async def series(self, name: str) -> list[dict[str, str]]:
-        """The label sets of every sample of `name` on the /metrics page."""
-        page = await self.metrics_page()
-        return [
-            dict(sample.labels)
-            for family in text_string_to_metric_families(page)
-            for sample in family.samples
-            if sample.name == name
-        ]
-
-    async def stop(self, **kw: Any) -> int:
-        self.stopped = True
-        await self.channel.close()
-        return await self.server.stop(**kw)
+# A real pdproc in this process and Envoy's side of its streams (the shared driver).
+Pd = Pdproc
 
 
 def pd_settings(pod: HostilePod | None, **overrides: Any) -> Settings:
