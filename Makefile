@@ -165,9 +165,11 @@ test-engines:
 	  $(TPY) -m pytest -q -p no:cacheprovider -rxXs $(ENGINE_TESTS)
 
 # The fast loop: unit tests, pdproc over real gRPC in process (integration), and the security
-# tests that need no Envoy (tests/security marks the others e2e).
+# tests that need no Envoy (tests/security marks the others e2e), in 4 worker processes
+# (pytest-xdist): most of these tests wait on sockets and timers, not on the CPU.
+UNIT_WORKERS ?= 4
 unit: $(STAMP)
-	$(PY) -m pytest -q tests/unit tests/integration tests/security -m "not e2e"
+	$(PY) -m pytest -q -n $(UNIT_WORKERS) tests/unit tests/integration tests/security -m "not e2e"
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -r bench/requirements.txt
