@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # Folders of the repository the complexity table covers (generated code left out).
-CODE_DIRS = ("pdproc", "sim", "bench", "scripts", "deploy/tools", "tests")
+CODE_DIRS = ("pdproc", "sim", "bench", "scripts", "deploy", "tests")
 EXCLUDED = ("pdproc/_proto",)
 
 
