@@ -345,7 +345,9 @@ def _print_text(data: dict[str, object]) -> None:
     for component in cycles_design:
         print("  " + " <-> ".join(component))
     print("imports under TYPE_CHECKING:")
-    for line in data["type_checking_imports"]:  # type: ignore[attr-defined]
+    imports = data["type_checking_imports"]
+    assert isinstance(imports, list)
+    for line in imports:
         print(f"  {line}")
     over = data["functions_over"]
     assert isinstance(over, list)
