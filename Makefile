@@ -45,9 +45,12 @@ $(DEMO_STAMP): pyproject.toml $(SIM)
 demo: $(DEMO_STAMP)
 	$(DEMO_VENV)/bin/pdproc demo --port $(PORT) $(DEMO_ARGS)
 
+# One standard for all Python in the repository: ruff (C901 at 12 included) everywhere,
+# mypy --strict on everything but tests (pyproject.toml lists the folders).
+LINTED := pdproc tests scripts deploy $(wildcard bench) $(wildcard sim)
 lint: $(STAMP)
-	$(VENV)/bin/ruff check pdproc tests scripts/gen_protos.py $(wildcard bench) $(wildcard sim)
-	$(VENV)/bin/ruff format --check pdproc tests scripts/gen_protos.py $(wildcard bench) $(wildcard sim)
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/mypy
 
 # Regenerate pdproc/_proto/ from protos/ (see protos/README.md); commit both.
@@ -161,8 +164,12 @@ test-engines:
 	PDPROC_TEST_ENGINES=1 $(INSTALLED_ENV) \
 	  $(TPY) -m pytest -q -p no:cacheprovider -rxXs $(ENGINE_TESTS)
 
+# The fast loop: unit tests, pdproc over real gRPC in process (integration), and the security
+# tests that need no Envoy (tests/security marks the others e2e), in 4 worker processes
+# (pytest-xdist): most of these tests wait on sockets and timers, not on the CPU.
+UNIT_WORKERS ?= 4
 unit: $(STAMP)
-	$(PY) -m pytest -q tests/unit tests/integration
+	$(PY) -m pytest -q -n $(UNIT_WORKERS) tests/unit tests/integration tests/security -m "not e2e"
 
 # Line and branch coverage of pdproc/ by `make unit`'s tests (settings in pyproject.toml);
 # the table ends with the total. Coverage is a dev dependency.
@@ -179,10 +186,11 @@ bench-smoke: $(STAMP)
 	$(PY) -m pip install --quiet -r bench/requirements.txt
 	$(PY) -m bench.run --smoke
 
-# The reference config in envoy/ is generated; this regenerates it after a template change.
+# The reference Envoy config (deploy/standalone/envoy.yaml) is generated; this regenerates it
+# after a template change.
 envoy-config: $(STAMP)
 	$(VENV)/bin/pdproc envoy-config --listen 0.0.0.0:10000 --processor 127.0.0.1:9002 \
-	  --decode 127.0.0.1:8200 --admin 127.0.0.1:9901 > envoy/pdproc.yaml
+	  --decode 127.0.0.1:8200 --admin 127.0.0.1:9901 > deploy/standalone/envoy.yaml
 
 # Everything `make test` and `make demo` leave behind: the checkout's virtualenvs and builds,
 # the user cache the deploy validator and the Envoy matrix share between checkouts

@@ -3,7 +3,9 @@
 Every `serve` setting is a flag, an environment variable (`PDPROC_<NAME>`, plus vLLM's
 `MOONCAKE_BOOTSTRAP_PORT`) and a key of the YAML file given with `--config`; the flag wins
 over the environment, which wins over the file, which wins over the default. The settings
-themselves are declared once, in `pdproc.config.Settings`.
+themselves are declared once, in `pdproc.config.Settings`; `envoy-config`'s flags in
+`pdproc.config.EnvoyConfigSettings`, which shares serve's declarations where the two must
+agree (same flag, same default).
 """
 
 from __future__ import annotations
@@ -18,22 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from pdproc import __version__
-from pdproc.config import DEFAULT_PD_PATHS, Declared, Settings, declared
-from pdproc.targets import TargetError, parse_host_port
+from pdproc.config import Declared, EnvoyConfigSettings, Settings, declared
+from pdproc.targets import TargetError
 
 
 class ConfigError(ValueError):
     pass
-
-
-class _DefaultsShown(argparse.HelpFormatter):
-    """Help that names each option's default, where it has one worth naming."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if action.default in (None, False, [], argparse.SUPPRESS) or "default" in text:
-            return text
-        return f"{text} (default: {action.default})"
 
 
 def resolve(
@@ -58,6 +50,20 @@ def resolve(
         return Settings(**values)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def resolve_flags(args: argparse.Namespace) -> EnvoyConfigSettings:
+    """envoy-config's settings: its flags over their defaults."""
+    values: dict[str, Any] = {}
+    for setting in declared(EnvoyConfigSettings):
+        raw = getattr(args, setting.name, None)
+        if raw is None:
+            continue
+        try:
+            values[setting.name] = setting.parse(raw)
+        except (ValueError, TargetError) as exc:
+            raise ConfigError(f"{setting.flag}: {exc}") from None
+    return EnvoyConfigSettings(**values)
 
 
 def _given(
@@ -178,118 +184,69 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     }
     group_of = {name: title for title, names in SETTING_GROUPS.items() for name in names}
     for setting in declared():
-        group = groups[group_of.get(setting.name, "other settings")]
-        default = setting.shown_default() or "none"
-        repeat = "; repeatable" if setting.option.repeat else ""
-        help_text = (
-            f"{setting.option.help} [env {', '.join(setting.envs)}; default {default}{repeat}]"
-        )
-        if setting.option.switch:
-            group.add_argument(
-                setting.flag, dest=setting.name, action="store_const", const="true", help=help_text
-            )
-            continue
+        _add_flag(groups[group_of.get(setting.name, "other settings")], setting, env=True)
+
+
+def _add_flag(group: argparse._ActionsContainer, setting: Declared, *, env: bool) -> None:
+    """One declared setting as a flag: its help names its default (and environment)."""
+    default = setting.shown_default()
+    if env:
+        shown = [f"env {', '.join(setting.envs)}", f"default {default or 'none'}"]
+    elif setting.option.required:
+        shown = ["required"]
+    else:
+        shown = [f"default {default}"] if default and not setting.option.switch else []
+    if setting.option.repeat:
+        shown.append("repeatable")
+    help_text = f"{setting.option.help} [{'; '.join(shown)}]" if shown else setting.option.help
+    flags = (setting.flag, *setting.option.aliases)
+    if setting.option.switch:
         group.add_argument(
-            setting.flag,
-            dest=setting.name,
-            action="append" if setting.option.repeat else "store",
-            default=None,
-            help=help_text,
+            *flags, dest=setting.name, action="store_const", const="true", help=help_text
         )
+        return
+    group.add_argument(
+        *flags,
+        dest=setting.name,
+        action="append" if setting.option.repeat else "store",
+        default=None,
+        required=setting.option.required,
+        help=help_text,
+    )
+
+
+# envoy-config --help: its flags in groups (a flag not listed here lands in the last group).
+ENVOY_CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
+    "addresses": ("listen", "processor", "decode", "admin"),
+    "routes": ("pd_path", "open_path"),
+    "pass pdproc serve's values": (
+        "max_body_bytes",
+        "envoy_message_timeout",
+        "envoy_max_message_timeout",
+    ),
+    "TLS to pdproc (pdproc serve --tls-cert/--tls-key)": (
+        "processor_tls_ca",
+        "processor_tls_cert",
+        "processor_tls_key",
+        "processor_sni",
+    ),
+}
 
 
 def _add_envoy_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "envoy-config",
         help="print an Envoy bootstrap with pdproc in it",
-        formatter_class=_DefaultsShown,
+        description="Print an Envoy bootstrap with pdproc in its filter chain. The flags "
+        "shared with `pdproc serve` take the same values on both commands.",
     )
-    parser.add_argument("--listen", default="0.0.0.0:10000", help="Envoy listener HOST:PORT")
-    parser.add_argument(
-        "--processor", action="append", help="pdproc HOST:PORT (repeatable; default 127.0.0.1:9002)"
-    )
-    parser.add_argument(
-        "--decode", action="append", required=True, help="decode HOST:PORT (repeatable)"
-    )
-    parser.add_argument("--admin", default="127.0.0.1:9901", help="Envoy admin HOST:PORT")
-    parser.add_argument("--pd-path", action="append", help="P/D path (repeatable)")
-    parser.add_argument(
-        "--open-path",
-        action="append",
-        help="non-P/D path that reaches the decode pods, its body checked by the kv guard "
-        "(repeatable; replaces the default /v1/models, /health, /version; every other path "
-        "gets a 404)",
-    )
-    parser.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=16 * 1024 * 1024,
-        help="largest request body Envoy buffers (keep it equal to pdproc's)",
-    )
-    parser.add_argument(
-        "--max-message-timeout",
-        type=float,
-        default=300.0,
-        help="max_message_timeout, seconds; keep it >= pdproc's --prefill-timeout + 1",
-    )
-    parser.add_argument("--access-log", action="store_true", help="JSON access log on stdout")
-    parser.add_argument(
-        "--no-processor", action="store_true", help="Envoy alone (benchmark baseline)"
-    )
-    parser.add_argument(
-        "--single-message",
-        action="store_true",
-        help="request_header_mode SKIP: one ext_proc message on the request path instead "
-        "of two (headers pdproc needs come as request_attributes)",
-    )
-    parser.add_argument(
-        "--prefill-header",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="single-message mode: also send this request header to pdproc, for the "
-        "prefill leg (repeatable; authorization and trace context are always sent)",
-    )
-    parser.add_argument(
-        "--no-response-hold",
-        action="store_true",
-        help="response_header_mode: SKIP (measurement only: a failed prefill then cannot "
-        "be turned into a clean error once the decode has answered)",
-    )
-    parser.add_argument(
-        "--fail-closed",
-        action="store_true",
-        help="failure_mode_allow: false (500 when pdproc is unreachable)",
-    )
-    parser.add_argument(
-        "--request-timeout",
-        type=float,
-        default=60.0,
-        help="seconds a client may take to send its whole request (408 after; never cuts "
-        "a response)",
-    )
-    parser.add_argument(
-        "--request-headers-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a client may take to send its request headers (408 after)",
-    )
-    parser.add_argument(
-        "--envoy-version",
-        metavar="X.Y",
-        help="the Envoy release to write the config for, 1.36 to 1.40 (default: "
-        "$PDPROC_ENVOY_VERSION, else the newest)",
-    )
-    tls = parser.add_argument_group("TLS to pdproc (pdproc serve --tls-cert/--tls-key)")
-    tls.add_argument("--processor-tls-ca", metavar="FILE", help="CA that signed pdproc's cert")
-    tls.add_argument("--processor-tls-cert", metavar="FILE", help="client cert (mTLS)")
-    tls.add_argument("--processor-tls-key", metavar="FILE", help="client key (mTLS)")
-    tls.add_argument(
-        "--processor-sni",
-        metavar="NAME",
-        help="SNI sent to pdproc and the DNS name its certificate must carry (default: the "
-        "--processor hosts)",
-    )
+    groups = {
+        title: parser.add_argument_group(title)
+        for title in [*ENVOY_CONFIG_GROUPS, "Envoy behaviour"]
+    }
+    group_of = {name: title for title, names in ENVOY_CONFIG_GROUPS.items() for name in names}
+    for setting in declared(EnvoyConfigSettings):
+        _add_flag(groups[group_of.get(setting.name, "Envoy behaviour")], setting, env=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -359,55 +316,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    from pdproc.envoy_config import (
-        DEFAULT_OPEN_PATHS,
-        EnvoyOptions,
-        default_envoy_version,
-        parse_envoy_version,
-        parse_targets,
-        render,
-    )
+    from pdproc.envoy_config import options_from, render
 
     try:
-        options = EnvoyOptions(
-            listen=parse_host_port(args.listen),
-            processor=parse_targets(args.processor or ["127.0.0.1:9002"]),
-            decode=parse_targets(args.decode),
-            admin=parse_host_port(args.admin),
-            pd_paths=tuple(args.pd_path or DEFAULT_PD_PATHS),
-            open_paths=tuple(DEFAULT_OPEN_PATHS if args.open_path is None else args.open_path),
-            max_body_bytes=args.max_body_bytes,
-            max_message_timeout_s=args.max_message_timeout,
-            with_processor=not args.no_processor,
-            access_log=args.access_log,
-            failure_mode_allow=not args.fail_closed,
-            hold_response=not args.no_response_hold,
-            single_message=args.single_message,
-            prefill_headers=tuple(_header_names(args.prefill_header)),
-            request_timeout_s=args.request_timeout,
-            request_headers_timeout_s=args.request_headers_timeout,
-            processor_tls_ca=args.processor_tls_ca,
-            processor_tls_cert=args.processor_tls_cert,
-            processor_tls_key=args.processor_tls_key,
-            processor_sni=args.processor_sni,
-            envoy_version=(
-                parse_envoy_version(args.envoy_version)
-                if args.envoy_version
-                else default_envoy_version()
-            ),
-        )
-    except ValueError as exc:  # TargetError too
+        options = options_from(resolve_flags(args))
+    except ValueError as exc:  # ConfigError and TargetError too
         print(f"pdproc envoy-config: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(render(options))
     return 0
-
-
-def _header_names(names: Sequence[str]) -> list[str]:
-    for name in names:
-        if not name or not all(c.isascii() and (c.isalnum() or c in "-_") for c in name):
-            raise TargetError(f"invalid --prefill-header {name!r}: not a header name")
-    return list(names)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
-"""Processor settings, each declared once.
+"""Settings of `pdproc serve` and `pdproc envoy-config`, each declared once.
 
 A field of `Settings` is the whole declaration of a setting: its name is the YAML key and,
 with dashes, the flag (`prefill_timeout` -> `--prefill-timeout`); `PDPROC_<NAME>` is its
 environment variable; its metadata carries the help text, the parser of one textual value
 and, for repeatable settings, how the parsed items combine. The CLI, the environment, the
 YAML file, the defaults and README's settings table are all derived from these fields.
+
+`EnvoyConfigSettings` declares `pdproc envoy-config`'s flags the same way (flags only). The
+ones that must agree with the processor (body size, the ext_proc message timeouts, the P/D
+paths) are `serve`'s own fields, taken over with `_serve_setting`: one default, one parser,
+one flag name for both commands.
 """
 
 # _setting() returns a dataclasses.field; ruff cannot see that.
@@ -26,6 +31,10 @@ DEFAULT_PD_PATHS = (
     "/v1/responses",
     "/inference/v1/generate",
 )
+# Paths other than the P/D ones that reach the decode pods (with the kv guard, without
+# pdproc): read-only ones a client of an OpenAI-style server expects. Every other path is
+# refused by the generated Envoy config (`--open-path` replaces this list).
+DEFAULT_OPEN_PATHS = ("/v1/models", "/health", "/version")
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 
@@ -56,6 +65,8 @@ class Option:
     combine: Callable[[list[Any]], Any] = tuple
     extra_env: tuple[str, ...] = ()
     switch: bool = False  # a flag without a value (`--log-bodies`); true/false elsewhere
+    required: bool = False  # the command refuses to run without it
+    aliases: tuple[str, ...] = ()  # older flag spellings still accepted
 
 
 def _setting(default: Any, help: str, parse: Callable[[str], Any] = str, **kw: Any) -> Any:
@@ -147,6 +158,12 @@ def _choice(*choices: str) -> Callable[[str], str]:
 def _path(value: str) -> str:
     if not value.startswith("/"):
         raise ValueError(f"{value!r} is not a path")
+    return value
+
+
+def _header_name(value: str) -> str:
+    if not value or not all(c.isascii() and (c.isalnum() or c in "-_") for c in value):
+        raise ValueError(f"{value!r} is not a header name")
     return value
 
 
@@ -331,6 +348,112 @@ class Settings:
         return max(self.max_body_bytes + MiB, 64 * MiB)
 
 
+def _serve_setting(name: str, help: str | None = None, **kw: Any) -> Any:
+    """`serve`'s setting `name`, for another command that must agree with it: the same
+    default and parser (and help text, unless given)."""
+    source = Settings.__dataclass_fields__[name]
+    option: Option = source.metadata["option"]
+    option = dataclasses.replace(option, help=help or option.help, **kw)
+    return field(default=source.default, metadata={"option": option, "serve": name})
+
+
+def serve_default(name: str) -> Any:
+    """The default of `serve`'s setting `name` (for code that takes it as a parameter)."""
+    return Settings.__dataclass_fields__[name].default
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class EnvoyConfigSettings:
+    """`pdproc envoy-config`'s flags (no environment variables, no file)."""
+
+    listen: HostPort = _setting(
+        HostPort("0.0.0.0", 10000), "Envoy listener HOST:PORT.", parse_host_port
+    )
+    processor: tuple[HostPort, ...] = _setting(
+        (HostPort("127.0.0.1", 9002),), "pdproc HOST:PORT.", parse_host_port, repeat=True
+    )
+    decode: tuple[HostPort, ...] = _setting(
+        (), "Decode HOST:PORT.", parse_host_port, repeat=True, required=True
+    )
+    admin: HostPort = _setting(
+        HostPort("127.0.0.1", 9901), "Envoy admin HOST:PORT.", parse_host_port
+    )
+    pd_path: frozenset[str] = _serve_setting(
+        "pd_path", "P/D path (replaces the default list; pass pdproc's --pd-path values)."
+    )
+    open_path: tuple[str, ...] = _setting(
+        DEFAULT_OPEN_PATHS,
+        "Non-P/D path that reaches the decode pods, its body checked by the kv guard "
+        "(replaces the default list; every other path gets a 404).",
+        _path,
+        repeat=True,
+    )
+    max_body_bytes: int = _serve_setting(
+        "max_body_bytes", "Largest request body Envoy buffers (pass pdproc's value)."
+    )
+    envoy_message_timeout: float = _serve_setting("envoy_message_timeout")
+    envoy_max_message_timeout: float = _serve_setting(
+        "envoy_max_message_timeout",
+        "The ext_proc filter's max_message_timeout, seconds: caps how long a decode's "
+        "response headers may be held; keep it >= pdproc's --prefill-timeout + 1.",
+        aliases=("--max-message-timeout",),
+    )
+    request_timeout: float = _setting(
+        60.0,
+        "Seconds a client may take to send its whole request (408 after; never cuts a response).",
+        _positive,
+    )
+    request_headers_timeout: float = _setting(
+        10.0, "Seconds a client may take to send its request headers (408 after).", _positive
+    )
+    access_log: bool = _setting(False, "JSON access log on stdout.", _boolean, switch=True)
+    no_processor: bool = _setting(False, "Envoy alone (benchmark baseline).", _boolean, switch=True)
+    single_message: bool = _setting(
+        False,
+        "request_header_mode SKIP: one ext_proc message on the request path instead of two "
+        "(headers pdproc needs come as request_attributes).",
+        _boolean,
+        switch=True,
+    )
+    prefill_header: tuple[str, ...] = _setting(
+        (),
+        "Single-message mode: also send this request header to pdproc, for the prefill leg "
+        "(authorization and trace context are always sent).",
+        _header_name,
+        repeat=True,
+    )
+    no_response_hold: bool = _setting(
+        False,
+        "response_header_mode SKIP (measurement only: a failed prefill then cannot be turned "
+        "into a clean error once the decode has answered).",
+        _boolean,
+        switch=True,
+    )
+    fail_closed: bool = _setting(
+        False,
+        "failure_mode_allow: false (500 when pdproc is unreachable).",
+        _boolean,
+        switch=True,
+    )
+    envoy_version: str | None = _setting(
+        None,
+        "The Envoy release to write the config for, X.Y from 1.36 to 1.40 (default: "
+        "$PDPROC_ENVOY_VERSION, else the newest).",
+    )
+    processor_tls_ca: str | None = _setting(None, "CA that signed pdproc's certificate.")
+    processor_tls_cert: str | None = _setting(None, "Client certificate (mTLS).")
+    processor_tls_key: str | None = _setting(None, "Client key (mTLS).")
+    processor_sni: str | None = _setting(
+        None,
+        "SNI sent to pdproc and the DNS name its certificate must carry (default: the "
+        "--processor hosts).",
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Declared:
     """A setting as the CLI, the environment, YAML and the README see it."""
@@ -341,7 +464,7 @@ class Declared:
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return _flag(self.name)
 
     @property
     def envs(self) -> tuple[str, ...]:
@@ -376,10 +499,11 @@ class Declared:
         return str(value)
 
 
-def declared() -> tuple[Declared, ...]:
+def declared(command: type[Any] = Settings) -> tuple[Declared, ...]:
+    """The declared settings of `serve` (Settings) or of `envoy-config` (EnvoyConfigSettings)."""
     return tuple(
         Declared(f.name, f.default, f.metadata["option"])
-        for f in dataclasses.fields(Settings)
+        for f in dataclasses.fields(command)
         if "option" in f.metadata
     )
 

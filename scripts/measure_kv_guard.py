@@ -1,4 +1,4 @@
-"""What the kv guard (pdproc/envoy/kv_guard.lua) costs, measured through real Envoys.
+"""What the kv guard (pdproc/envoy_config/kv_guard.lua) costs, measured through real Envoys.
 
 Two Envoys that differ only in the guard sit in front of the same simulated decode pod, and
 requests alternate between them (one at a time, so the two see the same machine):

@@ -1,6 +1,11 @@
 """Suite-wide guard: under `make test` (PDPROC_TEST_INSTALLED=1) the code under test is the
 installed wheels in the test virtualenv, never the checkout. A run that would import the
-checkout's `pdproc` (or an editable install) stops before the first test."""
+checkout's `pdproc` (or an editable install) stops before the first test.
+
+Helpers every suite shares live beside this file: `tests/waiting.py` (`eventually`),
+`tests/stacks.py` (a running stack: `reset`, `records`, `served`), `tests/envoy_side.py`
+(Envoy's side of an ext_proc stream over real gRPC) and `tests/metric_samples.py`; the
+`fresh` fixture below resets whichever `stack` fixture the suite defines."""
 
 from __future__ import annotations
 
@@ -11,8 +16,12 @@ import os
 import sys
 import sysconfig
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from pdproc_sim.devstack import Stack
 
 INSTALLED = os.environ.get("PDPROC_TEST_INSTALLED") == "1"
 # Import package -> distribution that must provide it from site-packages.
@@ -74,3 +83,11 @@ def pytest_report_header() -> list[str]:
 
     mode = "installed wheels" if INSTALLED else "development install"
     return [f"pdproc {pdproc.__version__} from {Path(pdproc.__file__ or '').parent} ({mode})"]
+
+
+@pytest.fixture
+def fresh(stack: Stack) -> Stack:
+    """The suite's shared `stack` with the simulated pods reset: no faults, no records."""
+    from tests.stacks import reset
+
+    return reset(stack)

@@ -193,31 +193,49 @@ class Stats:
 def convert(node: dict[str, Any], stats: Stats, *, structural: bool, where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in node.items():
-        if key not in KEEP:
-            continue
-        if key == "properties":
-            out[key] = {
-                name: convert(sub, stats, structural=structural, where=f"{where}.{name}")
-                for name, sub in value.items()
-            }
-        elif key in ("items", "additionalProperties", "not") and isinstance(value, dict):
-            out[key] = convert(value, stats, structural=structural and key != "not", where=where)
-        elif key in ("allOf", "anyOf", "oneOf"):
-            out[key] = [convert(v, stats, structural=False, where=where) for v in value]
-        elif key == "pattern":
-            # Go's RE2 takes a flag group anywhere; Python only at the start.
-            value = re.sub(r"^\^\(\?([a-z]+)\)", r"(?\1)^", value)
-            try:
-                re.compile(value)
-            except re.error:
-                stats.dropped_patterns.append(f"{where}: {value}")
-                continue
-            out[key] = value
-        elif key == "x-kubernetes-validations":
-            stats.rules += len(value)
-            out[key] = value
-        else:
-            out[key] = value
+        if key in KEEP:
+            converted = _convert_key(key, value, stats, structural=structural, where=where)
+            if converted is not _DROPPED:
+                out[key] = converted
+    _kubernetes_extensions(node, out)
+    if (
+        structural
+        and node.get("type") == "object"
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+        and "additionalProperties" not in node
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+_DROPPED = object()  # a keyword left out of the converted schema
+
+
+def _convert_key(key: str, value: Any, stats: Stats, *, structural: bool, where: str) -> Any:
+    if key == "properties":
+        return {
+            name: convert(sub, stats, structural=structural, where=f"{where}.{name}")
+            for name, sub in value.items()
+        }
+    if key in ("items", "additionalProperties", "not") and isinstance(value, dict):
+        return convert(value, stats, structural=structural and key != "not", where=where)
+    if key in ("allOf", "anyOf", "oneOf"):
+        return [convert(v, stats, structural=False, where=where) for v in value]
+    if key == "pattern":
+        # Go's RE2 takes a flag group anywhere; Python only at the start.
+        value = re.sub(r"^\^\(\?([a-z]+)\)", r"(?\1)^", value)
+        try:
+            re.compile(value)
+        except re.error:
+            stats.dropped_patterns.append(f"{where}: {value}")
+            return _DROPPED
+    if key == "x-kubernetes-validations":
+        stats.rules += len(value)
+    return value
+
+
+def _kubernetes_extensions(node: dict[str, Any], out: dict[str, Any]) -> None:
+    """OpenAPI v3 / Kubernetes spellings rewritten as JSON Schema 2020-12 says them."""
     if node.get("x-kubernetes-int-or-string"):
         out.pop("type", None)
         out.setdefault("anyOf", [])
@@ -230,14 +248,6 @@ def convert(node: dict[str, Any], stats: Stats, *, structural: bool, where: str)
                 out[key] = out.pop(bound)
             else:
                 del out[key]
-    if (
-        structural
-        and node.get("type") == "object"
-        and not node.get("x-kubernetes-preserve-unknown-fields")
-        and "additionalProperties" not in node
-    ):
-        out["additionalProperties"] = False
-    return out
 
 
 def crd_schema(version: dict[str, Any], kind: str, group: str, stats: Stats) -> dict[str, Any]:

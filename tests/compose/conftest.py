@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,24 +21,14 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.waiting import eventually
+
 REPO = Path(__file__).resolve().parents[2]
 PROJECT_ENV = "PDPROC_COMPOSE_PROJECT"
 # Bounds for state reached by other processes (containers starting, Envoy re-resolving a
 # name): generous, since the machine is shared, and never a measured duration.
 START_S = 180.0
 COMMAND_S = 240.0
-
-
-def eventually(check: Callable[[], Any], timeout_s: float = 60.0, every_s: float = 0.2) -> Any:
-    """Poll (bounded) until `check` returns something true; fail with what it last saw."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached in {timeout_s} s: {check}")
-        time.sleep(every_s)
 
 
 def port(name: str, default: int) -> int:

@@ -12,7 +12,12 @@ import httpx
 import orjson
 import yaml
 
-from .conftest import REPO, START_S, ComposeStack, eventually
+from tests.waiting import eventually
+
+from .conftest import REPO, START_S, ComposeStack
+
+# What other containers reach (counters, state): a bound, generous on a shared machine.
+SETTLE_S = 60.0
 
 PATH = "/v1/chat/completions"
 
@@ -96,7 +101,10 @@ def test_streaming_and_plain_requests_are_disaggregated(stack: ComposeStack) -> 
     assert any(tokens), frames
     assert_disaggregated(stack, streamed, stream=True)
 
-    eventually(lambda: stack.metric("pdproc_requests_total", outcome="pd", path=PATH) == before + 2)
+    eventually(
+        lambda: stack.metric("pdproc_requests_total", outcome="pd", path=PATH) == before + 2,
+        SETTLE_S,
+    )
 
 
 def test_metrics_health_and_readiness(stack: ComposeStack) -> None:
@@ -136,14 +144,14 @@ def test_docker_stop_drains_in_flight_requests_then_a_restart_serves(
     result: dict[str, Any] = {}
     client = threading.Thread(target=lambda: result.update(r=post(stack, chat(held))))
     client.start()
-    eventually(lambda: stack.metric("pdproc_prefills_in_flight") == 1)
+    eventually(lambda: stack.metric("pdproc_prefills_in_flight") == 1, SETTLE_S)
 
     stopper = threading.Thread(
         target=lambda: result.update(stop=stack.docker_run("stop", container))
     )
     stopper.start()
     # Draining: not ready any more, still running, the request still held.
-    eventually(lambda: httpx.get(stack.metrics + "/readyz", timeout=5).status_code == 503)
+    eventually(lambda: httpx.get(stack.metrics + "/readyz", timeout=5).status_code == 503, SETTLE_S)
     assert stack.state("pdproc")["Running"] is True
     assert client.is_alive()
     # A request that comes while pdproc drains is served too (by pdproc, or by the decode
@@ -181,7 +189,7 @@ def test_killed_pdproc_fails_open_safely_and_a_restart_serves(stack: ComposeStac
     assert paired(stack)
     allowed = stack.envoy_stat("http.ingress.ext_proc.failure_mode_allowed")
     stack.run("kill", "pdproc")  # SIGKILL: no drain, no goodbye
-    eventually(lambda: not stack.state("pdproc")["Running"])
+    eventually(lambda: not stack.state("pdproc")["Running"], SETTLE_S)
 
     # Requests go on: Envoy fails open to the decode, which serves them alone.
     alone = f"alone {uuid.uuid4()}"

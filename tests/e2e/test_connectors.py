@@ -13,7 +13,10 @@ import orjson
 import pytest
 from pdproc_sim.devstack import Stack, running_stack
 
-from .conftest import eventually, ext_proc_errors
+from tests.stacks import records, served
+from tests.waiting import eventually
+
+from .conftest import ext_proc_errors
 
 pytestmark = pytest.mark.e2e
 
@@ -39,20 +42,6 @@ def connector(stack: Stack) -> str:
 def post(stack: Stack, path: str, body: dict[str, Any], timeout_s: float = 60) -> httpx.Response:
     headers = {"x-prefiller-host-port": str(stack.sim.prefill)}
     return httpx.post(stack.envoy.url + path, json=body, headers=headers, timeout=timeout_s)
-
-
-def records(stack: Stack, role: str) -> list[dict[str, Any]]:
-    found: list[dict[str, Any]] = stack.sim_get(role, "/sim/requests")["requests"]
-    return found
-
-
-def answered(stack: Stack, role: str, count: int) -> list[dict[str, Any]]:
-    def check() -> list[dict[str, Any]] | None:
-        done = [r for r in records(stack, role) if r["status"] is not None]
-        return done if len(done) >= count else None
-
-    result: list[dict[str, Any]] = eventually(check)
-    return result
 
 
 def assert_protocol(stack: Stack, prefill: dict[str, Any], decode: dict[str, Any]) -> None:
@@ -94,8 +83,8 @@ def test_both_legs_speak_the_connector(fresh: Stack, path: str, stream: bool) ->
     if stream:
         assert "data:" in response.text
         assert '"error"' not in response.text
-    (prefill,) = answered(fresh, "prefill", 1)
-    (decode,) = answered(fresh, "decode", 1)
+    (prefill,) = served(fresh, "prefill", 1)
+    (decode,) = served(fresh, "decode", 1)
     assert_protocol(fresh, prefill, decode)
     if connector(fresh) == "nixlv2":
         # The decode gets the client's own stream and token limits back.
@@ -113,7 +102,7 @@ def test_two_mib_prompt(fresh: Stack) -> None:
     body = {"model": "m", "prompt": "tok " * (512 * 1024), "max_tokens": 4}
     response = post(fresh, "/v1/completions", body)
     assert response.status_code == 200, response.text[:300]
-    (decode,) = answered(fresh, "decode", 1)
+    (decode,) = served(fresh, "decode", 1)
     assert decode["kv"]["reason"] is None
 
 
@@ -147,7 +136,7 @@ def test_prefill_5xx(fresh: Stack) -> None:
     name = connector(fresh)
     if name == "nixlv2":
         assert response.status_code == 200, response.text
-        (decode,) = answered(fresh, "decode", 1)
+        (decode,) = served(fresh, "decode", 1)
         assert "kv_transfer_params" not in decode["body"]
         assert decode["body"]["max_tokens"] == CHAT["max_tokens"]
         eventually(
@@ -166,7 +155,7 @@ def test_unusable_prefill_answer_falls_back_to_the_decode(fresh: Stack) -> None:
     fresh.sim_post("prefill", "/sim/faults", {"kv_params": "missing"})
     response = post(fresh, "/v1/chat/completions", CHAT)
     assert response.status_code == 200
-    (decode,) = answered(fresh, "decode", 1)
+    (decode,) = served(fresh, "decode", 1)
     assert "kv_transfer_params" not in decode["body"]
 
 

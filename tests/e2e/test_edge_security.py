@@ -33,7 +33,8 @@ import orjson
 import pytest
 from pdproc_sim.devstack import Stack, http_get, running_stack
 
-from .conftest import eventually
+from tests.stacks import reset
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -199,13 +200,6 @@ def access_log(stack: Stack, count: int) -> list[dict[str, Any]]:
     return result
 
 
-def reset(stack: Stack) -> Stack:
-    for role in ("prefill", "decode"):
-        stack.sim_post(role, "/sim/faults", {"clear": True})
-        stack.sim_post(role, "/sim/reset")
-    return stack
-
-
 # --- pdproc up ----------------------------------------------------------------------------
 
 
@@ -220,7 +214,9 @@ def edge(request: pytest.FixtureRequest) -> Iterator[Stack]:
 
 
 @pytest.fixture
-def fresh(edge: Stack, canary: Canary) -> Iterator[Stack]:
+def clean(edge: Stack, canary: Canary) -> Iterator[Stack]:
+    """The edge stack reset (as `fresh` resets a suite's `stack`), and after the test the
+    check that no client-chosen address was ever contacted."""
     reset(edge)
     sent_before = decode_requests_sent(edge)
     yield edge
@@ -231,36 +227,36 @@ def fresh(edge: Stack, canary: Canary) -> Iterator[Stack]:
 
 @pytest.mark.parametrize("path", [*PD_SPELLINGS, *VARIANT_SPELLINGS])
 def test_no_spelling_carries_client_kv_params_to_the_decode(
-    fresh: Stack, canary: Canary, path: str
+    clean: Stack, canary: Canary, path: str
 ) -> None:
-    before = decode_requests_sent(fresh)
-    reply = send(fresh, path, attack(canary), target(fresh))
+    before = decode_requests_sent(clean)
+    reply = send(clean, path, attack(canary), target(clean))
     expected = 400 if path in PD_SPELLINGS else 404
     assert_openai_error(reply, expected)
-    assert decode_requests_sent(fresh) == before
-    assert decode_records(fresh) == []
-    assert prefill_records(fresh) == []
+    assert decode_requests_sent(clean) == before
+    assert decode_records(clean) == []
+    assert prefill_records(clean) == []
     assert canary.hits == []
 
 
 @pytest.mark.parametrize("path", list(PD_SPELLINGS))
-def test_pd_path_spellings_go_through_pdproc(fresh: Stack, path: str) -> None:
-    reply = send(fresh, path, CHAT, target(fresh))
+def test_pd_path_spellings_go_through_pdproc(clean: Stack, path: str) -> None:
+    reply = send(clean, path, CHAT, target(clean))
     assert reply.status == 200, reply.body[:300]
-    (decode,) = eventually(lambda: [r for r in decode_records(fresh) if r["status"]])
+    (decode,) = eventually(lambda: [r for r in decode_records(clean) if r["status"]])
     assert decode["path"] == PD_SPELLINGS[path]
     assert decode["body"]["kv_transfer_params"]["transfer_id"].startswith("xfer-")
-    (prefill,) = eventually(lambda: [r for r in prefill_records(fresh) if r["status"]])
+    (prefill,) = eventually(lambda: [r for r in prefill_records(clean) if r["status"]])
     assert prefill["body"]["kv_transfer_params"]["do_remote_decode"] is True
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/%63ompletions", "/v1%2Fchat%2Fcompletions"])
-def test_pd_path_spellings_do_not_bypass_the_target_allow_list(fresh: Stack, path: str) -> None:
+def test_pd_path_spellings_do_not_bypass_the_target_allow_list(clean: Stack, path: str) -> None:
     # 127.0.0.2 is loopback but outside the stack's --prefill-allow 127.0.0.1/32.
-    bad = {"x-prefiller-host-port": f"127.0.0.2:{fresh.sim.prefill.port}"}
-    error = assert_openai_error(send(fresh, path, CHAT, bad), 403)
+    bad = {"x-prefiller-host-port": f"127.0.0.2:{clean.sim.prefill.port}"}
+    error = assert_openai_error(send(clean, path, CHAT, bad), 403)
     assert error["type"] == "PermissionDeniedError"
-    assert decode_records(fresh) == []
+    assert decode_records(clean) == []
 
 
 @pytest.mark.parametrize(
@@ -268,24 +264,24 @@ def test_pd_path_spellings_do_not_bypass_the_target_allow_list(fresh: Stack, pat
     [("with a prefill target", True), ("without a prefill target (no header, no pool)", False)],
 )
 def test_client_kv_params_get_400_from_pdproc(
-    fresh: Stack, canary: Canary, name: str, headers: bool
+    clean: Stack, canary: Canary, name: str, headers: bool
 ) -> None:
-    before = fresh.metric("pdproc_requests_total", outcome="bad_request")
-    reply = send(fresh, "/v1/chat/completions", attack(canary), target(fresh) if headers else {})
+    before = clean.metric("pdproc_requests_total", outcome="bad_request")
+    reply = send(clean, "/v1/chat/completions", attack(canary), target(clean) if headers else {})
     error = assert_openai_error(reply, 400)
     assert error["type"] == "BadRequestError"
     assert "kv_transfer_params" in error["message"]
-    assert fresh.metric("pdproc_requests_total", outcome="bad_request") == before + 1
-    assert decode_records(fresh) == []
-    assert prefill_records(fresh) == []
+    assert clean.metric("pdproc_requests_total", outcome="bad_request") == before + 1
+    assert decode_records(clean) == []
+    assert prefill_records(clean) == []
 
 
-def test_an_escaped_spelling_of_the_key_is_the_same_key(fresh: Stack, canary: Canary) -> None:
+def test_an_escaped_spelling_of_the_key_is_the_same_key(clean: Stack, canary: Canary) -> None:
     body = orjson.dumps(attack(canary)).replace(
         b'"kv_transfer_params"', b'"kv\\u005ftransfer_params"'
     )
-    assert_openai_error(send(fresh, "/v1/completions", body, target(fresh)), 400)
-    assert decode_records(fresh) == []
+    assert_openai_error(send(clean, "/v1/completions", body, target(clean)), 400)
+    assert decode_records(clean) == []
 
 
 def test_bodies_pdproc_checked_are_not_scanned_again(edge: Stack) -> None:
@@ -303,15 +299,15 @@ def test_bodies_pdproc_checked_are_not_scanned_again(edge: Stack) -> None:
     assert line["kv_guard"] == ("pdproc_after_body" if single else "pdproc")
 
 
-def test_body_limit_is_the_configured_one(fresh: Stack) -> None:
+def test_body_limit_is_the_configured_one(clean: Stack) -> None:
     """2.5 MiB passes (so the 1 MiB connection default is not what applies); 3.5 MiB gets
     Envoy's 413 naming the configured limit."""
     prompt = "tok " * (640 * 1024)  # 2.5 MiB
-    reply = send(fresh, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 1},
-                 target(fresh))  # fmt: skip
+    reply = send(clean, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 1},
+                 target(clean))  # fmt: skip
     assert reply.status == 200, reply.body[:300]
     big = {"model": "m", "prompt": "tok " * (896 * 1024), "max_tokens": 1}  # 3.5 MiB
-    error = assert_openai_error(send(fresh, "/v1/completions", big, target(fresh)), 413)
+    error = assert_openai_error(send(clean, "/v1/completions", big, target(clean)), 413)
     assert error["type"] == "RequestTooLargeError"
     assert f"at most {ENVOY_BODY_LIMIT} bytes" in error["message"]
 

@@ -27,8 +27,9 @@ from pdproc_sim.devstack import (
 
 from pdproc.config import Settings
 from pdproc.server import RESTART_S
+from tests.waiting import eventually
 
-from .conftest import eventually, one_stream_per_connection
+from .conftest import one_stream_per_connection
 
 pytestmark = pytest.mark.e2e
 

@@ -81,8 +81,9 @@ def test_reference_config_is_current_and_valid(
         "--listen", "0.0.0.0:10000", "--processor", "127.0.0.1:9002",
         "--decode", "127.0.0.1:8200", "--admin", "127.0.0.1:9901",
     )  # fmt: skip
-    reference = REPO / "envoy" / "pdproc.yaml"
-    assert reference.read_text() == text, "envoy/pdproc.yaml is stale: run `make envoy-config`"
+    reference = REPO / "deploy" / "standalone" / "envoy.yaml"
+    stale = "deploy/standalone/envoy.yaml is stale: run `make envoy-config`"
+    assert reference.read_text() == text, stale
     validate(reference)
 
 
@@ -226,7 +227,9 @@ def test_kv_guard_is_the_packaged_lua_and_reads_pdproc_metadata(
         filters = hcm_of(config)["http_filters"]
         (lua,) = [f for f in filters if f["name"] == "envoy.filters.http.lua"]
         source = lua["typed_config"]["default_source_code"]["inline_string"]
-        packaged = resources.files("pdproc").joinpath("envoy/kv_guard.lua").read_text("utf-8")
+        packaged = (
+            resources.files("pdproc.envoy_config").joinpath("kv_guard.lua").read_text("utf-8")
+        )
         # Blank lines are dropped when rendering; nothing else changes.
         assert source.split() == packaged.split()
         assert "function envoy_on_request" in source

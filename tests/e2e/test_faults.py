@@ -18,8 +18,9 @@ import pytest
 from pdproc_sim.devstack import Stack, free_port
 
 from pdproc.metrics import REQUEST_OUTCOMES
+from tests.waiting import eventually
 
-from .conftest import eventually, ext_proc_errors, forget_engine_ids
+from .conftest import ext_proc_errors, forget_engine_ids
 
 pytestmark = pytest.mark.e2e
 

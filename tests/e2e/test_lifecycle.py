@@ -12,7 +12,7 @@ import httpx
 import pytest
 from pdproc_sim.devstack import http_get, running_stack, start_pdproc
 
-from .conftest import eventually
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 

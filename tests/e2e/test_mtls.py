@@ -38,8 +38,7 @@ from pdproc_sim.devstack import (
 
 from pdproc.envoy_config import EnvoyOptions, render
 from pdproc.targets import HostPort
-
-from .conftest import eventually
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,10 @@ import orjson
 import pytest
 from pdproc_sim.devstack import Stack
 
-from .conftest import eventually, ext_proc_errors, forget_engine_ids
+from tests.stacks import records, served
+from tests.waiting import eventually
+
+from .conftest import ext_proc_errors, forget_engine_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -20,23 +23,6 @@ CHAT_MCT = {**CHAT, "max_completion_tokens": 100}
 
 def target(stack: Stack) -> dict[str, str]:
     return {"x-prefiller-host-port": str(stack.sim.prefill)}
-
-
-def records(stack: Stack, role: str, path: str | None = None) -> list[dict[str, Any]]:
-    query = f"?path={path}" if path else ""
-    found: list[dict[str, Any]] = stack.sim_get(role, "/sim/requests" + query)["requests"]
-    return found
-
-
-def served(stack: Stack, role: str, count: int) -> list[dict[str, Any]]:
-    """The simulator's records once `count` requests have been answered."""
-
-    def check() -> list[dict[str, Any]] | None:
-        found = [r for r in records(stack, role) if r["status"] is not None]
-        return found if len(found) >= count else None
-
-    result: list[dict[str, Any]] = eventually(check)
-    return result
 
 
 def assert_paired(prefill: dict[str, Any], decode: dict[str, Any], engine_ids: dict[str, str]):

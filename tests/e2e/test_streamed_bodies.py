@@ -16,7 +16,10 @@ import orjson
 import pytest
 from pdproc_sim.devstack import Stack, running_stack
 
-from .conftest import SIM_ARGS, eventually, ext_proc_errors
+from tests.stacks import records, served
+from tests.waiting import eventually
+
+from .conftest import SIM_ARGS, ext_proc_errors
 
 pytestmark = pytest.mark.e2e
 
@@ -82,20 +85,6 @@ def paced(stack: Stack, body: bytes, pieces: int = 3, path: str = "/v1/completio
     return upload.finish(body[(pieces - 1) * size :])
 
 
-def records(stack: Stack, role: str) -> list[dict[str, Any]]:
-    found: list[dict[str, Any]] = stack.sim_get(role, "/sim/requests")["requests"]
-    return found
-
-
-def served(stack: Stack, role: str) -> dict[str, Any]:
-    def one() -> dict[str, Any] | None:
-        done = [r for r in records(stack, role) if r["status"] is not None]
-        return done[0] if done else None
-
-    found: dict[str, Any] = eventually(one)
-    return found
-
-
 def test_a_paced_large_body_streams_in_chunks_and_pairs(fresh: Stack) -> None:
     streamed = fresh.metric("pdproc_streamed_request_bodies_total")
     sent = ext_proc_counter(fresh, "stream_msgs_sent")
@@ -105,7 +94,7 @@ def test_a_paced_large_body_streams_in_chunks_and_pairs(fresh: Stack) -> None:
     # headers + at least 4 body chunks + the decode's response headers
     assert ext_proc_counter(fresh, "stream_msgs_sent") - sent >= 6
     assert fresh.metric("pdproc_streamed_request_bodies_total") == streamed + 1
-    prefill, decode = served(fresh, "prefill"), served(fresh, "decode")
+    prefill, decode = served(fresh, "prefill")[0], served(fresh, "decode")[0]
     assert decode["headers"].get("transfer-encoding") == "chunked"
     assert "content-length" not in decode["headers"]
     assert "x-prefiller-host-port" not in decode["headers"]
@@ -141,7 +130,7 @@ def test_a_small_body_is_not_streamed(fresh: Stack) -> None:
     body = orjson.dumps({"model": "m", "prompt": "tok " * (16 * KiB), "max_tokens": 4})
     status, _, _ = paced(fresh, body, pieces=1)
     assert status == 200
-    decode = served(fresh, "decode")
+    decode = served(fresh, "decode")[0]
     assert int(decode["headers"]["content-length"]) == decode["body_bytes"]
     assert fresh.metric("pdproc_streamed_request_bodies_total") == streamed
 
@@ -169,7 +158,7 @@ def test_pdproc_dying_mid_body_leaves_the_rest_to_the_kv_guard(client_params: bo
         else:
             # Served by the decode alone, with the client's own body.
             assert status == 200, answer[:300]
-            decode = served(st, "decode")
+            decode = served(st, "decode")[0]
             assert "kv_transfer_params" not in decode["body"]
             assert decode["body_bytes"] == len(body)
 

@@ -24,7 +24,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from pdproc_sim.devstack import free_port, running_stack
 
-from .conftest import eventually
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 

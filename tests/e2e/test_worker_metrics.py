@@ -22,7 +22,9 @@ import pytest
 from pdproc_sim.devstack import Stack, running_stack
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import eventually, one_stream_per_connection
+from tests.waiting import eventually
+
+from .conftest import one_stream_per_connection
 
 pytestmark = pytest.mark.e2e
 

@@ -12,10 +12,8 @@ The tests run in file order: the last two kill the prefill, then restart it.
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -32,6 +30,7 @@ from tests.engines.front import (
     send,
 )
 from tests.engines.harness import Engine, http_json, measured, running_pair
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -80,12 +79,8 @@ def decode_busy(decode: Engine) -> float:
     return decode.metric("vllm:num_requests_running") + decode.metric("vllm:num_requests_waiting")
 
 
-def eventually(check: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached in {timeout_s}s")
-        time.sleep(0.25)
+def decode_idle(decode: Engine, timeout_s: float, what: str) -> None:
+    eventually(lambda: decode_busy(decode) == 0, timeout_s, every_s=0.25, what=what)
 
 
 ROUTES = [
@@ -166,7 +161,12 @@ def test_decode_waits_silently_for_an_unknown_transfer(pair: tuple[Engine, Engin
     }
     with pytest.raises(TimeoutError):
         send(decode.url, "/v1/completions", body, timeout_s=HANG_PROBE_S)
-    eventually(lambda: decode_busy(decode) == 0, 60, "the decode drops the abandoned request")
+    eventually(
+        lambda: decode_busy(decode) == 0,
+        60,
+        every_s=0.25,
+        what="the decode drops the abandoned request",
+    )
 
 
 def test_simulator_keeps_the_real_contract(
@@ -205,7 +205,12 @@ def test_prefill_killed_fast_clear_error(
             f"mooncake, prefill killed, {path} stream={stream}: "
             f"{answer.status} in {answer.seconds:.3f} s"
         )
-    eventually(lambda: decode_busy(decode) == 0, PREFILL_DOWN_BOUND_S, "decode left idle")
+    eventually(
+        lambda: decode_busy(decode) == 0,
+        PREFILL_DOWN_BOUND_S,
+        every_s=0.25,
+        what="decode left idle",
+    )
 
 
 def test_prefill_restart_with_new_engine_id_loses_no_request(
@@ -269,4 +274,9 @@ def test_a_map_older_than_the_restart_loses_the_request(
     path = "/v1/completions"
     with pytest.raises(TimeoutError):
         send(fronts["long-ttl"].url, path, openai_body(path, prompt("stale"), False), HANG_PROBE_S)
-    eventually(lambda: decode_busy(decode) == 0, 60, "the decode drops the abandoned request")
+    eventually(
+        lambda: decode_busy(decode) == 0,
+        60,
+        every_s=0.25,
+        what="the decode drops the abandoned request",
+    )

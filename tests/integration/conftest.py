@@ -37,8 +37,8 @@ async def make_harness(
 
     yield make
     for harness in started:
-        await harness.channel.close()
-        await harness.server.stop(drain_timeout_s=5)
+        if not harness.stopped:
+            await harness.stop(drain_timeout_s=5)
 
 
 @pytest.fixture

@@ -3,42 +3,27 @@ of the ext_proc stream; the prefill pod is the simulator (a real HTTP server).""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from typing import Any
 
-import grpc
 import httpx
 from pdproc_sim import RunningPrefill
 
-from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.config import Settings
 from pdproc.server import Server
 from pdproc.targets import AllowList, HostPort
-from tests.metric_samples import sample_sum
-
-from .messages import headers_msg, recv
+from tests.envoy_side import Pdproc, headers_msg, recv
 
 
-class Harness:
+class Harness(Pdproc):
+    """The shared in-process pdproc, with the simulated prefill pod it sends to."""
+
     def __init__(self, server: Server, prefill: RunningPrefill) -> None:
-        self.server = server
+        super().__init__(server)
         self.prefill = prefill
-        self.channel = grpc.aio.insecure_channel(
-            f"127.0.0.1:{server.port}",
-            options=[
-                ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),  # as Envoy: unlimited
-            ],
-        )
-        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
 
     @property
     def target(self) -> dict[str, str]:
         return {"x-prefiller-host-port": self.prefill.address}
-
-    def open(self) -> Any:
-        return self.stub.Process()
 
     async def past_headers(self) -> Any:
         """A stream whose P/D request headers (aimed at the simulator) were answered."""
@@ -46,10 +31,6 @@ class Harness:
         await call.write(headers_msg(extra=self.target))
         await recv(call)
         return call
-
-    def sample(self, name: str, **labels: str) -> float:
-        """The sum of the samples `name{labels...}` (other labels, e.g. connector, free)."""
-        return sample_sum(self.server.metrics.registry, name, **labels)
 
     async def prefill_records(self) -> list[dict[str, Any]]:
         async with httpx.AsyncClient() as client:
@@ -61,17 +42,6 @@ class Harness:
         async with httpx.AsyncClient() as client:
             response = await client.post(self.prefill.url + "/sim/faults", json=faults)
             response.raise_for_status()
-
-
-async def eventually(check: Callable[[], Any], timeout_s: float = 10.0) -> None:
-    """Wait (bounded) for a condition that depends on background work."""
-    async with asyncio.timeout(timeout_s):
-        while not await _maybe_await(check()):
-            await asyncio.sleep(0.02)
-
-
-async def _maybe_await(value: Any) -> Any:
-    return await value if asyncio.iscoroutine(value) else value
 
 
 def base_settings(prefill: RunningPrefill) -> Settings:

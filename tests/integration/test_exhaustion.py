@@ -27,9 +27,8 @@ from pdproc_sim.devstack import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-
-from .harness import eventually
-from .messages import CHAT, body_msg, headers_msg, recv, response_headers_msg
+from tests.envoy_side import CHAT, body_msg, channel, headers_msg, recv, response_headers_msg
+from tests.waiting import eventually_async
 
 LIMIT = 320
 REQUESTS = 360  # more prefills than descriptors
@@ -83,11 +82,11 @@ async def test_pdproc_out_of_descriptors_is_not_the_pods_fault(
     process = await asyncio.create_subprocess_exec(
         *argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=cap_descriptors
     )
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
+    to_pdproc = channel(grpc_port)
     calls: list[Any] = []
     try:
-        await eventually(lambda: _ready(metrics_port), timeout_s=30)
-        stub = pb_grpc.ExternalProcessorStub(channel)
+        await eventually_async(lambda: _ready(metrics_port), timeout_s=30)
+        stub = pb_grpc.ExternalProcessorStub(to_pdproc)
         target = {"x-prefiller-host-port": prefill.address}
         # One whole request first: the engine map is cached.
         call = stub.Process()
@@ -128,7 +127,7 @@ async def test_pdproc_out_of_descriptors_is_not_the_pods_fault(
         call.cancel()
     finally:
         await _faults(prefill, prefill_hang=False)
-        await channel.close()
+        await to_pdproc.close()
         process.terminate()
         async with asyncio.timeout(30):
             await process.wait()
@@ -156,7 +155,7 @@ async def _scrape_when_possible(metrics_port: int) -> str:
             return False
         return True
 
-    await eventually(got, timeout_s=30)
+    await eventually_async(got, timeout_s=30)
     return page[-1]
 
 

@@ -19,9 +19,10 @@ from pdproc._proto.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2
 )
 from pdproc.config import BootstrapPolicy
 from pdproc.targets import AllowList
+from tests.envoy_side import CHAT, body_msg, headers_msg, recv, response_headers_msg
+from tests.waiting import eventually_async
 
-from .harness import Harness, eventually
-from .messages import CHAT, body_msg, headers_msg, recv, response_headers_msg
+from .harness import Harness
 
 
 async def test_health_service_reports_serving(h: Harness) -> None:
@@ -75,7 +76,7 @@ async def test_pd_request_rewrites_body_and_launches_prefill(h: Harness) -> None
         records[:] = await h.prefill_records()
         return bool(records) and records[-1]["status"] is not None
 
-    await eventually(prefilled)
+    await eventually_async(prefilled)
     (record,) = records
     prefill_kv = record["body"]["kv_transfer_params"]
     assert prefill_kv == {
@@ -96,7 +97,7 @@ async def test_pd_request_rewrites_body_and_launches_prefill(h: Harness) -> None
     third = await recv(call)
     assert third.WhichOneof("response") == "response_headers"
     await call.done_writing()
-    await eventually(
+    await eventually_async(
         lambda: h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="pd") == 1
     )
 
@@ -210,7 +211,7 @@ async def test_pool_member_is_used_without_header_or_allow_list(
     answer = await recv(call)
     kv = orjson.loads(answer.request_body.response.body_mutation.body)["kv_transfer_params"]
     assert kv["remote_bootstrap_addr"] == prefill.bootstrap_url
-    await eventually(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 1)
+    await eventually_async(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 1)
 
 
 async def test_huge_body_is_rewritten(h: Harness) -> None:
@@ -248,10 +249,10 @@ async def test_a_stream_cancelled_before_the_decode_answered_cancels_its_prefill
     await call.write(body_msg(CHAT))
     await recv(call)
     assert h.server.service is not None
-    await eventually(lambda: h.server.service.launcher.total_in_flight == 1)
+    await eventually_async(lambda: h.server.service.launcher.total_in_flight == 1)
     call.cancel()  # the client hung up; Envoy resets the stream
-    await eventually(lambda: h.sample("pdproc_streams_active") == 0)
-    await eventually(lambda: h.server.service.launcher.total_in_flight == 0)
+    await eventually_async(lambda: h.sample("pdproc_streams_active") == 0)
+    await eventually_async(lambda: h.server.service.launcher.total_in_flight == 0)
     assert h.sample("pdproc_prefills_total", outcome="cancelled") == 1
     assert h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="cancelled") == 1
     assert h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="pd") == 0
@@ -271,11 +272,11 @@ async def test_a_stream_ended_after_the_decode_answered_leaves_the_prefill_runni
     await call.write(response_headers_msg("503"))
     assert (await recv(call)).WhichOneof("response") == "response_headers"
     call.cancel()
-    await eventually(lambda: h.sample("pdproc_streams_active") == 0)
+    await eventually_async(lambda: h.sample("pdproc_streams_active") == 0)
     assert h.server.service is not None
     assert h.server.service.launcher.total_in_flight == 1
     await h.faults(prefill_hang=False)
-    await eventually(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 1)
+    await eventually_async(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 1)
     assert h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="pd") == 1
 
 
@@ -407,7 +408,7 @@ async def test_log_bodies_adds_the_prompt_only_when_asked(
         await recv(call)
         await call.write(body_msg({**CHAT, "messages": [{"role": "user", "content": "secret"}]}))
         await recv(call)
-        await eventually(lambda: any(r.msg == "pd request prefilled" for r in caplog.records))
+        await eventually_async(lambda: any(r.msg == "pd request prefilled" for r in caplog.records))
         (line,) = [r for r in caplog.records if r.msg == "pd request prefilled"]
         assert ("secret" in getattr(line, "body", "")) is log_bodies
 
@@ -466,7 +467,7 @@ async def test_single_message_mode_reads_every_header_attribute(h: Harness) -> N
     await call.write(request)
     answer = await recv(call)
     assert answer.request_body.response.HasField("body_mutation")
-    await eventually(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 1)
+    await eventually_async(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 1)
     (record,) = await h.prefill_records()
     assert record["headers"]["x-api-key"] == "k-123"
     assert record["headers"]["authorization"] == "Bearer t"
@@ -498,7 +499,7 @@ async def test_pool_mode_leaves_short_prompts_to_the_decode(
         await call.done_writing()
     path = "/v1/chat/completions"
     assert h.sample("pdproc_requests_total", path=path, outcome="short_prompt") == 1
-    await eventually(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 2)
+    await eventually_async(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 2)
 
 
 async def test_a_bug_in_a_held_answer_is_a_500_not_a_timeout(
@@ -521,4 +522,4 @@ async def test_a_bug_in_a_held_answer_is_a_500_not_a_timeout(
     assert answer.immediate_response.status.code == 500
     assert orjson.loads(answer.immediate_response.body)["type"] == "InternalServerError"
     # Still exactly one outcome for the request (its prefill's, counted first).
-    await eventually(lambda: h.sample("pdproc_requests_total") == 1)
+    await eventually_async(lambda: h.sample("pdproc_requests_total") == 1)

@@ -23,6 +23,7 @@ from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc 
 from pdproc.config import Settings
 from pdproc.server import Server
 from pdproc.targets import AllowList, HostPort
+from tests.envoy_side import channel
 
 REQUEST_TO_RESPONSE = {
     "request_headers": "request_headers",
@@ -201,8 +202,8 @@ async def exchange(port: int, sent: list[pb.ProcessingRequest]) -> list[pb.Proce
     """Talk like Envoy: send a message, wait for its answer, and only then the next one;
     stop once an ImmediateResponse ends the request; half-close at the end."""
     answers: list[pb.ProcessingResponse] = []
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = pb_grpc.ExternalProcessorStub(channel).Process(timeout=30)
+    async with channel(port) as to_pdproc:
+        call = pb_grpc.ExternalProcessorStub(to_pdproc).Process(timeout=30)
         for message in sent:
             await call.write(message)
             while True:

@@ -16,9 +16,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdproc.metrics import REQUEST_OUTCOMES
+from tests.envoy_side import CHAT, body_msg, headers_msg, recv, response_headers_msg
+from tests.waiting import eventually_async
 
-from .harness import Harness, eventually
-from .messages import CHAT, body_msg, headers_msg, recv, response_headers_msg
+from .harness import Harness
 
 KiB = 1024
 LARGE = orjson.dumps({**CHAT, "messages": [{"role": "user", "content": "p" * (8 * KiB)}]})
@@ -95,10 +96,10 @@ async def test_a_stream_ended_at_any_phase_is_counted_exactly_once(
             call.cancel()
         else:
             await call.done_writing()
-        await eventually(lambda: h.sample("pdproc_streams_active") == 0)
+        await eventually_async(lambda: h.sample("pdproc_streams_active") == 0)
     finally:
         await h.faults(prefill_hang=False)
-    await eventually(lambda: service.launcher.total_in_flight == 0)
+    await eventually_async(lambda: service.launcher.total_in_flight == 0)
     expected = CASES[(kind, end_at)]
     assert all_outcomes(h) == {expected: 1}
     assert expected in REQUEST_OUTCOMES

@@ -20,9 +20,10 @@ from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.config import BootstrapPolicy, KvConnector
 from pdproc.request_body import members
 from pdproc.streamed_body import TAIL
+from tests.envoy_side import CHAT, body_msg, headers_msg, recv, response_headers_msg
+from tests.waiting import eventually_async
 
-from .harness import Harness, eventually
-from .messages import CHAT, body_msg, headers_msg, recv, response_headers_msg
+from .harness import Harness
 
 PATH = "/v1/chat/completions"
 KiB = 1024
@@ -131,7 +132,7 @@ async def finished_prefills(h: Harness, count: int) -> list[dict[str, Any]]:
         records[:] = await h.prefill_records()
         return len(records) >= count and all(r["status"] is not None for r in records)
 
-    await eventually(answered)
+    await eventually_async(answered)
     return records
 
 
@@ -222,7 +223,7 @@ async def test_a_large_body_is_streamed_and_only_its_tail_rewritten(
     assert answer == pb.ProcessingResponse(response_headers=pb.HeadersResponse())
     await call.done_writing()
     assert await call.read() is grpc.aio.EOF
-    await eventually(lambda: h.sample("pdproc_requests_total", path=PATH, outcome="pd") == 1)
+    await eventually_async(lambda: h.sample("pdproc_requests_total", path=PATH, outcome="pd") == 1)
     assert h.sample("pdproc_requests_total") == 1
     assert h.sample(STREAMED) == 1
     assert h.sample(IN_FLIGHT) == 0
@@ -407,7 +408,7 @@ async def test_a_body_below_the_threshold_is_buffered(h: Harness) -> None:
     assert_streamed_headers(await recv(call))
     assert h.sample(STREAMED) == 1
     call.cancel()
-    await eventually(lambda: h.sample(IN_FLIGHT) == 0)
+    await eventually_async(lambda: h.sample(IN_FLIGHT) == 0)
 
 
 async def test_a_small_request_with_a_tiny_threshold_is_buffered(
@@ -512,7 +513,7 @@ async def test_single_message_mode_never_streams(h: Harness) -> None:
     assert not common.header_mutation.set_headers
     assert checked_mark(answer) is True
     assert h.sample(STREAMED) == 0
-    await eventually(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 1)
+    await eventually_async(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 1)
     assert h.sample(IN_FLIGHT) == 0
 
 
@@ -558,7 +559,7 @@ async def test_a_streamed_body_holds_the_bytes_that_arrived_until_its_end(h: Har
     await call.write(response_headers_msg("200"))
     assert (await recv(call)).WhichOneof("response") == "response_headers"
     await call.done_writing()
-    await eventually(lambda: h.sample("pdproc_requests_total", path=PATH, outcome="pd") == 1)
+    await eventually_async(lambda: h.sample("pdproc_requests_total", path=PATH, outcome="pd") == 1)
     assert h.sample(IN_FLIGHT) == 0
 
 
@@ -579,7 +580,7 @@ async def test_a_stream_cut_off_mid_body_releases_its_budget(h: Harness) -> None
     await recv(call)
     assert h.sample(IN_FLIGHT) == 100 * KiB
     call.cancel()  # the client hung up mid-body; Envoy resets the stream
-    await eventually(lambda: h.sample("pdproc_streams_active") == 0)
+    await eventually_async(lambda: h.sample("pdproc_streams_active") == 0)
     assert h.sample(IN_FLIGHT) == 0
     assert await h.prefill_records() == []
 
@@ -593,7 +594,7 @@ async def test_a_stream_ended_before_any_body_releases_the_budget(h: Harness) ->
     assert h.sample(IN_FLIGHT) == KiB + 1
     await call.done_writing()
     assert await call.read() is grpc.aio.EOF
-    await eventually(lambda: h.sample("pdproc_streams_active") == 0)
+    await eventually_async(lambda: h.sample("pdproc_streams_active") == 0)
     assert h.sample(IN_FLIGHT) == 0
 
 
@@ -634,7 +635,7 @@ async def test_streamed_bodies_past_max_inflight_bytes_get_503(
     assert full.immediate_response.status.code == 503
     for call in (first_call, second_call, alone_call, full_call):
         call.cancel()
-    await eventually(lambda: h.sample(IN_FLIGHT) == 0 and h2.sample(IN_FLIGHT) == 0)
+    await eventually_async(lambda: h.sample(IN_FLIGHT) == 0 and h2.sample(IN_FLIGHT) == 0)
     assert h.sample(STREAMED) == 2
 
 
@@ -655,7 +656,7 @@ async def test_request_trailers_after_a_streamed_body_are_refused(h: Harness) ->
     assert answer.immediate_response.status.code == 400
     assert b"trailers" in answer.immediate_response.body
     await call.done_writing()
-    await eventually(lambda: h.sample("pdproc_streams_active") == 0)
+    await eventually_async(lambda: h.sample("pdproc_streams_active") == 0)
     assert h.sample(IN_FLIGHT) == 0
     assert await h.prefill_records() == []
     assert h.sample("pdproc_requests_total", outcome="bad_request") == 1
@@ -679,7 +680,7 @@ async def test_an_answer_before_a_streamed_body_ended_goes_through_counted_once(
     assert not answer.HasField("immediate_response")
     assert h.sample(IN_FLIGHT) == 0
     await call.done_writing()
-    await eventually(lambda: h.sample("pdproc_streams_active") == 0)
+    await eventually_async(lambda: h.sample("pdproc_streams_active") == 0)
     assert await h.prefill_records() == []
     assert h.sample("pdproc_requests_total") == 1
     assert h.sample("pdproc_requests_total", outcome=outcome) == 1

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 import httpx
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -15,29 +13,33 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
 
-from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.config import Settings
 from pdproc.server import Server
 from pdproc.targets import AllowList, HostPort
 from pdproc.telemetry import provider_from_env
-
-from .messages import CHAT, body_msg, headers_msg, recv, response_headers_msg
+from tests.envoy_side import (
+    CHAT,
+    Pdproc,
+    body_msg,
+    headers_msg,
+    recv,
+    response_headers_msg,
+)
+from tests.waiting import eventually_async
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 
 
-class Traced:
+class Traced(Pdproc):
+    """The shared in-process pdproc, its spans exported in memory."""
+
     def __init__(self, server: Server, exporter: InMemorySpanExporter) -> None:
-        self.server = server
+        super().__init__(server)
         self.exporter = exporter
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
 
     async def spans(self, count: int) -> dict[str, ReadableSpan]:
-        async with asyncio.timeout(10):
-            while len(self.exporter.get_finished_spans()) < count:
-                await asyncio.sleep(0.02)
+        await eventually_async(lambda: len(self.exporter.get_finished_spans()) >= count, 10)
         return {span.name: span for span in self.exporter.get_finished_spans()}
 
 

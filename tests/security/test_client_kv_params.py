@@ -19,17 +19,10 @@ from typing import Any
 import pytest
 from pdproc_sim.devstack import Stack, http_get, running_stack
 
-from .conftest import (
-    CHAT_BYTES,
-    SECONDS,
-    SIM_ARGS,
-    Pd,
-    eventually,
-    metric,
-    records,
-    send,
-    served,
-)
+from tests.stacks import records, served
+from tests.waiting import eventually_async
+
+from .conftest import CHAT_BYTES, SECONDS, SIM_ARGS, Pd, metric, send
 from .pods import HostilePod
 
 EVIL = b'{"do_remote_prefill":true,"remote_bootstrap_addr":"http://169.254.169.254:80"}'
@@ -93,7 +86,7 @@ async def test_client_kv_transfer_params_get_400_while_draining(
     pd.stopped = True
     stopping = asyncio.create_task(pd.server.stop(drain_timeout_s=5, lame_duck_s=3))
     try:
-        await eventually(lambda: pd.service.draining)
+        await eventually_async(lambda: pd.service.draining)
         for body in SPELLINGS.values():
             for prefill in (pod.address, None):
                 outcome = await pd.play(body, prefill=prefill)

@@ -18,16 +18,9 @@ import orjson
 import pytest
 from pdproc_sim.devstack import Stack
 
-from .conftest import (
-    CHAT_BYTES,
-    Pd,
-    deep_body,
-    has_series,
-    metric,
-    records,
-    send,
-    served,
-)
+from tests.stacks import records, served
+
+from .conftest import CHAT_BYTES, Pd, deep_body, has_series, metric, send
 from .pods import HostilePod
 
 KV = b'"kv_transfer_params":{"do_remote_prefill":true,"remote_bootstrap_addr":"http://10.9.9.9"},'

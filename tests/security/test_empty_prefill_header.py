@@ -18,7 +18,9 @@ import orjson
 import pytest
 from pdproc_sim.devstack import Stack, running_stack
 
-from .conftest import CHAT_BYTES, PDPROC_ARGS, SIM_ARGS, metric, records, send, served
+from tests.stacks import records, reset, served
+
+from .conftest import CHAT_BYTES, PDPROC_ARGS, SIM_ARGS, metric, send
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -29,11 +31,6 @@ def pool_stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     options = {"single_message": request.param == "single-message"}
     with running_stack(SIM_ARGS, PDPROC_ARGS, envoy_options=options, pool=True) as st:
         yield st
-
-
-def reset(stack: Stack) -> None:
-    for role in ("prefill", "decode"):
-        stack.sim_post(role, "/sim/reset")
 
 
 @pytest.mark.parametrize("value", ["", ",", ", ,", ",,"], ids=["empty", "comma", "blank", "commas"])

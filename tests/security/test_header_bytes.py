@@ -17,9 +17,10 @@ from pdproc_sim.devstack import Stack
 
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.targets import AllowList
+from tests.envoy_side import CHAT_PATH, single_message_body
+from tests.stacks import records
 
-from .conftest import CHAT_BYTES, SECONDS, Pd, metric, records, send
-from .envoy_role import CHAT_PATH, single_message_body
+from .conftest import CHAT_BYTES, SECONDS, Pd, metric, send
 from .pods import HostilePod
 
 # Header bytes as they arrive from Envoy: pdproc reads them as latin-1. The look-alike

@@ -16,18 +16,10 @@ import pytest
 from pdproc_sim.devstack import Stack
 
 from pdproc.logs import JsonFormatter
+from tests.stacks import records, served
+from tests.waiting import eventually_async
 
-from .conftest import (
-    CHAT_BYTES,
-    Pd,
-    eventually,
-    is_single_message,
-    log_lines,
-    log_mark,
-    records,
-    send,
-    served,
-)
+from .conftest import CHAT_BYTES, Pd, is_single_message, log_lines, log_mark, send
 from .pods import HostilePod, answer
 
 SECRET = "PRIVATE-PROMPT-TEXT"
@@ -51,7 +43,7 @@ async def test_prefill_error_body_reaches_neither_client_nor_log(
     def failure_logged() -> bool:
         return any(r.getMessage().startswith("pd request prefill failed") for r in caplog.records)
 
-    await eventually(failure_logged)
+    await eventually_async(failure_logged)
     # Each record as pdproc writes it: one JSON line, message and extra fields.
     lines = [JsonFormatter().format(record) for record in caplog.records]
     leaked = [line for line in lines if SECRET in line]

@@ -18,7 +18,10 @@ import orjson
 import pytest
 from pdproc_sim.devstack import running_stack
 
-from .conftest import CHAT_BYTES, SECONDS, SIM_ARGS, Pd, eventually, metric, records, send
+from tests.stacks import records
+from tests.waiting import eventually_async
+
+from .conftest import CHAT_BYTES, SECONDS, SIM_ARGS, Pd, metric, send
 from .pods import HostilePod, engine_map, gated
 
 BUDGET = 1024 * 1024
@@ -33,7 +36,7 @@ async def test_bodies_beyond_the_budget_get_503_and_the_budget_returns_to_0(
     pd: Pd = await make_pdproc(pod, max_inflight_bytes=BUDGET)
     # The first large body is held while its engine map is looked up (the gate).
     first = asyncio.create_task(pd.play(LARGE, prefill=pod.address))
-    await eventually(lambda: pd.sample("pdproc_request_body_bytes_in_flight") == len(LARGE))
+    await eventually_async(lambda: pd.sample("pdproc_request_body_bytes_in_flight") == len(LARGE))
     try:
         # Meanwhile, more large bodies: P/D ones and ones the decode would serve alone.
         refused = await asyncio.gather(
@@ -45,7 +48,7 @@ async def test_bodies_beyond_the_budget_get_503_and_the_budget_returns_to_0(
             assert outcome.decode_body is None
         # A small body still fits beside the held one.
         small = asyncio.create_task(pd.play(CHAT_BYTES, prefill=pod.address))
-        await eventually(
+        await eventually_async(
             lambda: pd.sample("pdproc_request_body_bytes_in_flight") == len(LARGE) + len(CHAT_BYTES)
         )
     finally:
@@ -59,7 +62,7 @@ async def test_bodies_beyond_the_budget_get_503_and_the_budget_returns_to_0(
     )
     # Nothing broke: the next large body is served, streams close, the budget is free.
     assert (await pd.play(LARGE, prefill=pod.address)).disaggregated
-    await eventually(lambda: pd.sample("pdproc_streams_active") == 0)
+    await eventually_async(lambda: pd.sample("pdproc_streams_active") == 0)
     assert pd.sample("pdproc_request_body_bytes_in_flight") == 0
     assert len(pd.service.breakers) == 0  # an overload is not the pod's fault
 

@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 from pdproc_sim.devstack import Stack
 
-from .conftest import Pd, raw_records, records, send, served
+from tests.stacks import records, served
+
+from .conftest import Pd, raw_records, send
 from .pods import HostilePod
 
 OUT_OF_RANGE = [2**64, -(2**63) - 1, 10**30, -(10**30)]

@@ -25,9 +25,9 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from pdproc.server import Server
+from tests.envoy_side import Outcome
 
 from .conftest import CHAT_BYTES, Pd, pd_settings
-from .envoy_role import Outcome
 from .pods import HostilePod
 from .strategies import (
     PRIMED,

@@ -20,8 +20,9 @@ import pytest
 
 from pdproc.config import KvConnector
 from pdproc.logs import JsonFormatter, TextFormatter, text_value
+from tests.waiting import eventually_async
 
-from .conftest import CHAT_BYTES, Pd, eventually
+from .conftest import CHAT_BYTES, Pd
 from .pods import HostilePod
 
 MakePd = Callable[..., Awaitable[Pd]]
@@ -65,7 +66,7 @@ async def test_unfit_request_id_is_replaced_on_both_legs_and_in_the_logs(
     def prefill_logged() -> bool:
         return any(r.getMessage().startswith("pd request prefilled") for r in caplog.records)
 
-    await eventually(prefill_logged)
+    await eventually_async(prefill_logged)
     for formatter in (JsonFormatter(), TextFormatter()):
         lines = [formatter.format(record) for record in caplog.records]
         assert lines

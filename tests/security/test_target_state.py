@@ -16,8 +16,10 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
-from .conftest import CHAT_BYTES, SECONDS, Pd, eventually
-from .envoy_role import Outcome
+from tests.envoy_side import Outcome
+from tests.waiting import eventually_async
+
+from .conftest import CHAT_BYTES, SECONDS, Pd
 from .pods import HostilePod, engine_map, gated
 
 MAX_TARGETS = 50
@@ -61,7 +63,7 @@ async def burst(pd: Pd, pod: HostilePod, ports: list[int]) -> list[Outcome]:
     try:
         # Every body is held (counted in the in-flight budget) while it waits for the map.
         held = len(ports) * len(CHAT_BYTES)
-        await eventually(lambda: pd.sample("pdproc_request_body_bytes_in_flight") == held)
+        await eventually_async(lambda: pd.sample("pdproc_request_body_bytes_in_flight") == held)
         gate.set()
         async with asyncio.timeout(SECONDS):
             return await asyncio.gather(*tasks)
@@ -94,7 +96,7 @@ async def test_client_chosen_ports_leave_bounded_state_and_one_query(
             for sock in listeners
         ]
         try:
-            await eventually(lambda: pd.service.launcher.total_in_flight == PORTS)
+            await eventually_async(lambda: pd.service.launcher.total_in_flight == PORTS)
             in_flight = await pd.series("pdproc_prefills_in_flight")
             assert 0 < len(in_flight) <= MAX_TARGETS + 1  # plus the shared "other" series
             total = sum(pd.sample("pdproc_prefills_in_flight", **s) for s in in_flight)
@@ -107,7 +109,7 @@ async def test_client_chosen_ports_leave_bounded_state_and_one_query(
                 outcomes = await asyncio.gather(*running)
     assert {o.status for o in outcomes} == {502}
     assert 0 < len(pd.service.breakers) <= MAX_TARGETS
-    await eventually(lambda: pd.service.launcher.total_in_flight == 0)
+    await eventually_async(lambda: pd.service.launcher.total_in_flight == 0)
     left = await pd.series("pdproc_prefills_in_flight")
     assert left in ([], [{"target": "other"}])  # only the shared series may stay, at 0
     assert pd.sample("pdproc_prefills_in_flight", target="other") == 0

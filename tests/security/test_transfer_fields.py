@@ -22,8 +22,9 @@ import pytest
 
 from pdproc.config import BootstrapPolicy, KvConnector
 from pdproc.gateway_fields import GATEWAY_FIELDS
+from tests.waiting import eventually_async
 
-from .conftest import CHAT, SECONDS, Pd, eventually
+from .conftest import CHAT, SECONDS, Pd
 from .pods import HostilePod
 
 # What each field's value would point the decode at (the canary address of the attack).
@@ -110,7 +111,7 @@ async def test_every_connectors_fields_are_refused_while_draining(
     pd.stopped = True
     stopping = asyncio.create_task(pd.server.stop(drain_timeout_s=5, lame_duck_s=3))
     try:
-        await eventually(lambda: pd.service.draining)
+        await eventually_async(lambda: pd.service.draining)
         for field in GATEWAY_FIELDS:
             for prefill in (pod.address, None):
                 await refused(pd, hostile_body(field), prefill)

@@ -238,3 +238,87 @@ def test_listen_addresses_accept_a_bare_ipv6_pod_ip(value: str, expected: HostPo
     """`$(POD_IP):9090` on an IPv6 cluster has no brackets; a listen address ends with its
     port, so it is still unambiguous."""
     assert resolve(namespace(metrics_listen=value), {}, {}).metrics_listen == expected
+
+
+def test_envoy_config_shares_serve_declarations_where_they_must_agree() -> None:
+    from dataclasses import fields
+
+    from pdproc.config import EnvoyConfigSettings
+    from pdproc.envoy_config import EnvoyOptions
+
+    serve = {s.name: s for s in declared()}
+    shared = [f for f in fields(EnvoyConfigSettings) if "serve" in f.metadata]
+    assert {f.metadata["serve"] for f in shared} >= {
+        "max_body_bytes",
+        "envoy_message_timeout",
+        "envoy_max_message_timeout",
+        "pd_path",
+    }
+    for f in shared:
+        source = serve[f.metadata["serve"]]
+        # The same flag, default and parser as `serve`: nothing to keep equal by hand.
+        assert f.name == source.name
+        assert f.default == source.default
+        assert f.metadata["option"].parse is source.option.parse
+    # The render options default to the same values when built without the CLI.
+    options = EnvoyOptions(
+        HostPort("a", 1), [HostPort("b", 2)], [HostPort("c", 3)], HostPort("d", 4)
+    )
+    defaults = Settings()
+    assert options.max_body_bytes == defaults.max_body_bytes
+    assert options.message_timeout_s == defaults.envoy_message_timeout
+    assert options.max_message_timeout_s == defaults.envoy_max_message_timeout
+
+
+def _envoy_options(argv: list[str]) -> object:
+    from pdproc.cli import resolve_flags
+    from pdproc.envoy_config import options_from
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    from pdproc.cli import _add_envoy_config
+
+    _add_envoy_config(sub)
+    return options_from(resolve_flags(parser.parse_args(["envoy-config", *argv])))
+
+
+def test_envoy_config_flags_reach_the_render_options() -> None:
+    from pdproc.config import DEFAULT_PD_PATHS
+    from pdproc.envoy_config import EnvoyOptions
+
+    options = _envoy_options(["--decode", "127.0.0.1:8200"])
+    assert isinstance(options, EnvoyOptions)
+    assert list(options.pd_paths) == list(DEFAULT_PD_PATHS)  # declared order, not a set's
+    assert options.processor == (HostPort("127.0.0.1", 9002),)
+    argv = ["--decode", "10.0.0.1:8200", "--decode", "10.0.0.2:8200", "--max-body-bytes",
+            "1234", "--envoy-message-timeout", "4", "--max-message-timeout", "90",
+            "--pd-path", "/v1/completions", "--pd-path", "/b", "--pd-path", "/a",
+            "--single-message", "--prefill-header", "x-api-key"]  # fmt: skip
+    options = _envoy_options(argv)
+    assert isinstance(options, EnvoyOptions)
+    assert options.decode == (HostPort("10.0.0.1", 8200), HostPort("10.0.0.2", 8200))
+    assert (options.max_body_bytes, options.message_timeout_s) == (1234, 4.0)
+    assert options.max_message_timeout_s == 90.0  # the older spelling still works
+    assert list(options.pd_paths) == ["/v1/completions", "/a", "/b"]
+    assert options.single_message
+    assert options.prefill_headers == ("x-api-key",)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--decode", "127.0.0.1:8200", "--max-body-bytes", "0"], "--max-body-bytes:"),
+        (["--decode", "127.0.0.1:8200", "--envoy-message-timeout", "-1"], "not positive"),
+        (["--decode", "nohost"], "--decode:"),
+        (["--decode", "127.0.0.1:1", "--prefill-header", "x'] || y"], "not a header name"),
+        (["--decode", "127.0.0.1:1", "--pd-path", "v1"], "is not a path"),
+    ],
+)
+def test_envoy_config_refuses_bad_flags_with_the_flag_named(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert main(["envoy-config", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdproc envoy-config: ")
+    assert message in err
+    assert "Traceback" not in err

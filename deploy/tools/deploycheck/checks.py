@@ -134,16 +134,25 @@ def check_set(name: str, docs: list[Doc], ctx: Context, report: Report) -> None:
     index = {(d.kind, d.name): d for d in docs}
     workloads = [d for d in docs if d.kind in WORKLOADS]
     checks: list[Callable[[list[Doc], dict[tuple[str, str], Doc], Context, Report], None]] = [
-        _workloads,
+        _selectors_and_probes,
+        _env_references,
         _pod_security,
-        _pdproc,
+        _pdproc_env_names,
+        _pdproc_shutdown_budget,
+        _pdproc_resources,
+        _pdproc_placement,
         _services_and_budgets,
         _gateway_policies,
+        _envoy_gateways,
         _routes_and_pools,
-        _istio,
+        _istio_gateways,
+        _envoy_filters,
+        _destination_rules_and_telemetry,
         _epp,
         _network_policies,
-        _tls,
+        _tls_files,
+        _tls_envoy_gateway,
+        _tls_istio,
         _monitoring,
         _placeholders,
     ]
@@ -156,7 +165,7 @@ def check_set(name: str, docs: list[Doc], ctx: Context, report: Report) -> None:
 # ------------------------------------------------------------------------------ workloads
 
 
-def _workloads(
+def _selectors_and_probes(
     docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
 ) -> None:
     for w in (d for d in docs if d.kind in WORKLOADS):
@@ -170,10 +179,20 @@ def _workloads(
                     port = ((c.get(probe) or {}).get(kind) or {}).get("port")
                     if isinstance(port, str) and port not in ports:
                         report.error(w.where, f"{probe} uses port {port!r}, not a container port")
-            # $(VAR) in env values and args expands only variables defined EARLIER in env.
+
+
+_VARIABLE_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def _env_references(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    """$(VAR) in env values and args expands only variables defined EARLIER in env."""
+    for w in (d for d in docs if d.kind in WORKLOADS):
+        for c in containers(w):
             defined: set[str] = set()
             for e in c.get("env", []):
-                for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", str(e.get("value", ""))):
+                for ref in _VARIABLE_REF.findall(str(e.get("value", ""))):
                     if ref not in defined:
                         report.error(
                             w.where,
@@ -182,9 +201,25 @@ def _workloads(
                         )
                 defined.add(e["name"])
             for arg in [*c.get("args", []), *c.get("command", [])]:
-                for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", str(arg)):
+                for ref in _VARIABLE_REF.findall(str(arg)):
                     if ref not in defined:
                         report.error(w.where, f"container {c['name']}: $({ref}) is not in env")
+
+
+# Volume types the "restricted" Pod Security Standard allows.
+_RESTRICTED_VOLUMES = frozenset(
+    {
+        "name",
+        "configMap",
+        "csi",
+        "downwardAPI",
+        "emptyDir",
+        "ephemeral",
+        "persistentVolumeClaim",
+        "projected",
+        "secret",
+    }
+)
 
 
 def _pod_security(
@@ -194,54 +229,50 @@ def _pod_security(
     for w in (d for d in docs if d.kind in WORKLOADS):
         spec = pod_spec(w)
         pod_sc = spec.get("securityContext") or {}
-        problems = []
-        for key in ("hostNetwork", "hostPID", "hostIPC"):
-            if spec.get(key):
-                problems.append(f"{key} is set")
-        for v in spec.get("volumes", []):
-            allowed = {
-                "name",
-                "configMap",
-                "csi",
-                "downwardAPI",
-                "emptyDir",
-                "ephemeral",
-                "persistentVolumeClaim",
-                "projected",
-                "secret",
-            }
-            if set(v) - allowed:
-                problems.append(f"volume {v.get('name')} has a type restricted forbids")
-        pod_seccomp = (pod_sc.get("seccompProfile") or {}).get("type")
+        problems = _pod_level_problems(spec)
         for c in containers(w):
-            sc = c.get("securityContext") or {}
-            label = f"container {c.get('name')}"
-            if sc.get("allowPrivilegeEscalation") is not False:
-                problems.append(f"{label}: allowPrivilegeEscalation must be false")
-            if "ALL" not in ((sc.get("capabilities") or {}).get("drop") or []):
-                problems.append(f"{label}: capabilities.drop must include ALL")
-            added = set((sc.get("capabilities") or {}).get("add") or []) - {"NET_BIND_SERVICE"}
-            if added:
-                problems.append(f"{label}: adds capabilities {sorted(added)}")
-            if not sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")):
-                problems.append(f"{label}: runAsNonRoot must be true (pod or container)")
-            if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
-                problems.append(f"{label}: runAsUser 0")
-            if (sc.get("seccompProfile") or {}).get("type", pod_seccomp) not in (
-                "RuntimeDefault",
-                "Localhost",
-            ):
-                problems.append(f"{label}: seccompProfile must be RuntimeDefault or Localhost")
-            if sc.get("privileged"):
-                problems.append(f"{label}: privileged")
+            problems += _container_security_problems(c, pod_sc)
         for problem in problems:
             report.error(w.where, f"Pod Security 'restricted' rejects it: {problem}")
+
+
+def _pod_level_problems(spec: dict[str, Any]) -> list[str]:
+    problems = [f"{key} is set" for key in ("hostNetwork", "hostPID", "hostIPC") if spec.get(key)]
+    for v in spec.get("volumes", []):
+        if set(v) - _RESTRICTED_VOLUMES:
+            problems.append(f"volume {v.get('name')} has a type restricted forbids")
+    return problems
+
+
+def _container_security_problems(c: dict[str, Any], pod_sc: dict[str, Any]) -> list[str]:
+    sc = c.get("securityContext") or {}
+    capabilities = sc.get("capabilities") or {}
+    pod_seccomp = (pod_sc.get("seccompProfile") or {}).get("type")
+    label = f"container {c.get('name')}"
+    problems = []
+    if sc.get("allowPrivilegeEscalation") is not False:
+        problems.append(f"{label}: allowPrivilegeEscalation must be false")
+    if "ALL" not in (capabilities.get("drop") or []):
+        problems.append(f"{label}: capabilities.drop must include ALL")
+    added = set(capabilities.get("add") or []) - {"NET_BIND_SERVICE"}
+    if added:
+        problems.append(f"{label}: adds capabilities {sorted(added)}")
+    if not sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")):
+        problems.append(f"{label}: runAsNonRoot must be true (pod or container)")
+    if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
+        problems.append(f"{label}: runAsUser 0")
+    seccomp = (sc.get("seccompProfile") or {}).get("type", pod_seccomp)
+    if seccomp not in ("RuntimeDefault", "Localhost"):
+        problems.append(f"{label}: seccompProfile must be RuntimeDefault or Localhost")
+    if sc.get("privileged"):
+        problems.append(f"{label}: privileged")
+    return problems
 
 
 # ------------------------------------------------------------------------------ pdproc
 
 
-def _pdproc(
+def _pdproc_env_names(
     docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
 ) -> None:
     found = pdproc_container(docs)
@@ -249,11 +280,7 @@ def _pdproc(
         return
     w, c = found
     env = env_of(c)
-    helpers = {
-        ref
-        for value in env.values()
-        for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", str(value or ""))
-    }
+    helpers = {ref for value in env.values() for ref in _VARIABLE_REF.findall(str(value or ""))}
     for name in env:
         if name in ctx.env_names or name.startswith("OTEL_") or name in helpers:
             continue
@@ -265,20 +292,30 @@ def _pdproc(
             "(the settings table in README.md lists them)",
         )
 
-    def number(key: str, default: float) -> float:
-        try:
-            return float(env.get(key) or default)
-        except ValueError:
-            report.error(w.where, f"env {key}={env.get(key)!r} is not a number")
-            return default
 
-    prefill = number("PDPROC_PREFILL_TIMEOUT", 60)
-    drain = number("PDPROC_DRAIN_TIMEOUT", 30)
-    delay = number("PDPROC_SHUTDOWN_DELAY", 2)
+def _env_number(w: Doc, env: dict[str, Any], key: str, default: float, report: Report) -> float:
+    try:
+        return float(env.get(key) or default)
+    except ValueError:
+        report.error(w.where, f"env {key}={env.get(key)!r} is not a number")
+        return default
+
+
+def _pdproc_shutdown_budget(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    found = pdproc_container(docs)
+    if found is None:
+        return
+    w, c = found
+    env = env_of(c)
+    prefill = _env_number(w, env, "PDPROC_PREFILL_TIMEOUT", 60, report)
+    drain = _env_number(w, env, "PDPROC_DRAIN_TIMEOUT", 30, report)
+    delay = _env_number(w, env, "PDPROC_SHUTDOWN_DELAY", 2, report)
     # The tracer provider's shutdown flushes the queued spans; each export waits at most the
     # OTLP exporter's timeout (OTEL_EXPORTER_OTLP_TIMEOUT, which the Python exporter reads in
     # seconds; 10 by default).
-    flush = number("OTEL_EXPORTER_OTLP_TIMEOUT", OTLP_TIMEOUT_DEFAULT)
+    flush = _env_number(w, env, "OTEL_EXPORTER_OTLP_TIMEOUT", OTLP_TIMEOUT_DEFAULT, report)
     grace = pod_spec(w).get("terminationGracePeriodSeconds", 30)
     if drain < prefill + 1:
         report.error(
@@ -294,6 +331,16 @@ def _pdproc(
             f"PDPROC_DRAIN_TIMEOUT + trace flush + 1 s ({delay:g} + {drain:g} + {flush:g} + 1 "
             f"= {delay + drain + flush + 1:g}): the kubelet kills what is still running then",
         )
+
+
+def _pdproc_resources(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    found = pdproc_container(docs)
+    if found is None:
+        return
+    w, c = found
+    env = env_of(c)
     resources = c.get("resources") or {}
     cpu_limit = (resources.get("limits") or {}).get("cpu")
     cpu_request = (resources.get("requests") or {}).get("cpu")
@@ -305,20 +352,28 @@ def _pdproc(
         )
     memory = (resources.get("limits") or {}).get("memory")
     inflight = env.get("PDPROC_MAX_INFLIGHT_BYTES")
-    if "PDPROC_MAX_INFLIGHT_BYTES" in ctx.env_names and memory is not None:
-        if inflight is None:
-            report.error(
-                w.where, "PDPROC_MAX_INFLIGHT_BYTES is unset: in-flight bodies are unbounded"
-            )
-        else:
-            budget = (quantity(memory) - PROCESS_BASELINE_BYTES) / INFLIGHT_MEMORY_FACTOR
-            if quantity(inflight) > budget:
-                report.error(
-                    w.where,
-                    f"PDPROC_MAX_INFLIGHT_BYTES {inflight} exceeds (memory limit {memory} - "
-                    f"256Mi) / {INFLIGHT_MEMORY_FACTOR} = {int(budget)}",
-                )
-    metrics = str(env.get("PDPROC_METRICS_LISTEN") or "")
+    if "PDPROC_MAX_INFLIGHT_BYTES" not in ctx.env_names or memory is None:
+        return
+    if inflight is None:
+        report.error(w.where, "PDPROC_MAX_INFLIGHT_BYTES is unset: in-flight bodies are unbounded")
+        return
+    budget = (quantity(memory) - PROCESS_BASELINE_BYTES) / INFLIGHT_MEMORY_FACTOR
+    if quantity(inflight) > budget:
+        report.error(
+            w.where,
+            f"PDPROC_MAX_INFLIGHT_BYTES {inflight} exceeds (memory limit {memory} - "
+            f"256Mi) / {INFLIGHT_MEMORY_FACTOR} = {int(budget)}",
+        )
+
+
+def _pdproc_placement(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    found = pdproc_container(docs)
+    if found is None:
+        return
+    w, c = found
+    metrics = str(env_of(c).get("PDPROC_METRICS_LISTEN") or "")
     if metrics.startswith(("0.0.0.0:", "[::]:", ":")):
         report.error(
             w.where,
@@ -433,92 +488,111 @@ def _gateway_policies(
                 report.error(pol.where, f"targetRef {ref['kind']}/{ref['name']} is not in this set")
         ext_procs = pol.spec.get("extProc", [])
         for i, ext in enumerate(ext_procs):
+            _ext_proc_backends(pol, i, ext, index, report)
             names = [ref["name"] for ref in ext.get("backendRefs", [])]
-            for ref in ext.get("backendRefs", []):
-                if ref.get("kind", "Service") == "Service":
-                    _service_port(
-                        index,
-                        report,
-                        f"{pol.where} extProc[{i}]",
-                        ref["name"],
-                        ref.get("port"),
-                        ref.get("namespace"),
-                    )
-            breaker = (ext.get("backendSettings") or {}).get("circuitBreaker") or {}
-            for key in ("maxConnections", "maxPendingRequests", "maxParallelRequests"):
-                if breaker.get(key, 1024) < RAISED_LIMIT:
-                    report.error(
-                        pol.where,
-                        f"extProc[{i}] ({', '.join(names)}) backendSettings.circuitBreaker."
-                        f"{key} is {breaker.get(key, '1024 (default)')}: every in-flight "
-                        f"request holds one gRPC stream; raise it to {RAISED_LIMIT}",
-                    )
             if PDPROC in names:
-                timeout = seconds(ext.get("messageTimeout", "200ms"))
-                if timeout < settings["prefill_timeout"] + 1:
-                    report.error(
-                        pol.where,
-                        f"extProc[{i}] messageTimeout {timeout:g}s must be >= "
-                        f"PDPROC_PREFILL_TIMEOUT + 1 s ({settings['prefill_timeout'] + 1:g}s): "
-                        "Envoy Gateway sets no max_message_timeout",
-                    )
-                mode = ext.get("processingMode", {})
-                if mode.get("request", {}).get("body") != "Buffered" or "response" not in mode:
-                    report.error(
-                        pol.where,
-                        f"extProc[{i}] pdproc needs request body Buffered and response headers",
-                    )
-                if "pdproc" not in ((ext.get("metadata") or {}).get("writableNamespaces") or []):
-                    report.error(
-                        pol.where,
-                        f"extProc[{i}] metadata.writableNamespaces must include pdproc: the "
-                        "guard after ext_proc reads pdproc.body_checked from it",
-                    )
-                if len(ext_procs) > i + 1:
-                    report.error(
-                        pol.where,
-                        f"extProc[{i}] pdproc must be the last processor (after the endpoint "
-                        "picker, whose headers it reads)",
-                    )
+                _pdproc_ext_proc(
+                    pol, i, ext, last=i + 1 == len(ext_procs), settings=settings, report=report
+                )
         if pol.kind == "ClientTrafficPolicy":
-            limit = (pol.spec.get("connection") or {}).get("bufferLimit")
-            if limit is not None and quantity(limit) < settings["max_body"]:
-                report.error(
-                    pol.where,
-                    f"connection.bufferLimit {limit} is below PDPROC_MAX_BODY_BYTES "
-                    f"({settings['max_body']:g})",
-                )
-            path = pol.spec.get("path") or {}
-            if path.get("disableMergeSlashes") or path.get("escapedSlashesAction") not in (
-                "UnescapeAndForward",
-                "UnescapeAndRedirect",
-                "RejectRequest",
-            ):
-                report.error(
-                    pol.where,
-                    "path: set escapedSlashesAction UnescapeAndForward (or UnescapeAndRedirect, "
-                    "RejectRequest) and keep slashes merged, so /v1%2Fchat%2Fcompletions or "
-                    "//v1/... cannot reach the decode without pdproc",
-                )
-    for gw in (d for d in docs if d.kind == "Gateway" and d.spec.get("gatewayClassName") == "eg"):
-        if any(d.kind == "EnvoyExtensionPolicy" and d.spec.get("lua") for d in docs):
-            ref = (gw.spec.get("infrastructure") or {}).get("parametersRef") or {}
-            proxy = (
-                index.get(("EnvoyProxy", str(ref.get("name"))))
-                if ref.get("kind") == "EnvoyProxy"
-                else None
+            _client_traffic_policy(pol, settings, report)
+
+
+def _ext_proc_backends(
+    pol: Doc, i: int, ext: dict[str, Any], index: dict[tuple[str, str], Doc], report: Report
+) -> None:
+    names = [ref["name"] for ref in ext.get("backendRefs", [])]
+    for ref in ext.get("backendRefs", []):
+        if ref.get("kind", "Service") == "Service":
+            _service_port(
+                index,
+                report,
+                f"{pol.where} extProc[{i}]",
+                ref["name"],
+                ref.get("port"),
+                ref.get("namespace"),
             )
-            order = (proxy.spec.get("filterOrder") if proxy else None) or []
-            if not any(
-                o.get("name") == "envoy.filters.http.lua"
-                and o.get("after") == "envoy.filters.http.ext_proc"
-                for o in order
-            ):
-                report.error(
-                    gw.where,
-                    "the kv guard (Lua) would run before ext_proc (Envoy Gateway's default "
-                    "order): reference an EnvoyProxy with filterOrder lua after ext_proc",
-                )
+    breaker = (ext.get("backendSettings") or {}).get("circuitBreaker") or {}
+    for key in ("maxConnections", "maxPendingRequests", "maxParallelRequests"):
+        if breaker.get(key, 1024) < RAISED_LIMIT:
+            report.error(
+                pol.where,
+                f"extProc[{i}] ({', '.join(names)}) backendSettings.circuitBreaker."
+                f"{key} is {breaker.get(key, '1024 (default)')}: every in-flight "
+                f"request holds one gRPC stream; raise it to {RAISED_LIMIT}",
+            )
+
+
+def _pdproc_ext_proc(
+    pol: Doc,
+    i: int,
+    ext: dict[str, Any],
+    *,
+    last: bool,
+    settings: dict[str, float],
+    report: Report,
+) -> None:
+    timeout = seconds(ext.get("messageTimeout", "200ms"))
+    if timeout < settings["prefill_timeout"] + 1:
+        report.error(
+            pol.where,
+            f"extProc[{i}] messageTimeout {timeout:g}s must be >= "
+            f"PDPROC_PREFILL_TIMEOUT + 1 s ({settings['prefill_timeout'] + 1:g}s): "
+            "Envoy Gateway sets no max_message_timeout",
+        )
+    mode = ext.get("processingMode", {})
+    if mode.get("request", {}).get("body") != "Buffered" or "response" not in mode:
+        report.error(
+            pol.where,
+            f"extProc[{i}] pdproc needs request body Buffered and response headers",
+        )
+    if "pdproc" not in ((ext.get("metadata") or {}).get("writableNamespaces") or []):
+        report.error(
+            pol.where,
+            f"extProc[{i}] metadata.writableNamespaces must include pdproc: the "
+            "guard after ext_proc reads pdproc.body_checked from it",
+        )
+    if not last:
+        report.error(
+            pol.where,
+            f"extProc[{i}] pdproc must be the last processor (after the endpoint "
+            "picker, whose headers it reads)",
+        )
+
+
+def _client_traffic_policy(pol: Doc, settings: dict[str, float], report: Report) -> None:
+    limit = (pol.spec.get("connection") or {}).get("bufferLimit")
+    if limit is not None and quantity(limit) < settings["max_body"]:
+        report.error(
+            pol.where,
+            f"connection.bufferLimit {limit} is below PDPROC_MAX_BODY_BYTES "
+            f"({settings['max_body']:g})",
+        )
+    path = pol.spec.get("path") or {}
+    if path.get("disableMergeSlashes") or path.get("escapedSlashesAction") not in (
+        "UnescapeAndForward",
+        "UnescapeAndRedirect",
+        "RejectRequest",
+    ):
+        report.error(
+            pol.where,
+            "path: set escapedSlashesAction UnescapeAndForward (or UnescapeAndRedirect, "
+            "RejectRequest) and keep slashes merged, so /v1%2Fchat%2Fcompletions or "
+            "//v1/... cannot reach the decode without pdproc",
+        )
+
+
+def _envoy_gateways(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    lua = any(d.kind == "EnvoyExtensionPolicy" and d.spec.get("lua") for d in docs)
+    for gw in (d for d in docs if d.kind == "Gateway" and d.spec.get("gatewayClassName") == "eg"):
+        if lua and not _lua_after_ext_proc(gw, index):
+            report.error(
+                gw.where,
+                "the kv guard (Lua) would run before ext_proc (Envoy Gateway's default "
+                "order): reference an EnvoyProxy with filterOrder lua after ext_proc",
+            )
         ctps = [
             p
             for p in docs
@@ -533,6 +607,19 @@ def _gateway_policies(
                 gw.where,
                 "no ClientTrafficPolicy (buffer limit, path normalisation) targets this Gateway",
             )
+
+
+def _lua_after_ext_proc(gw: Doc, index: dict[tuple[str, str], Doc]) -> bool:
+    ref = (gw.spec.get("infrastructure") or {}).get("parametersRef") or {}
+    proxy = (
+        index.get(("EnvoyProxy", str(ref.get("name")))) if ref.get("kind") == "EnvoyProxy" else None
+    )
+    order = (proxy.spec.get("filterOrder") if proxy else None) or []
+    return any(
+        o.get("name") == "envoy.filters.http.lua"
+        and o.get("after") == "envoy.filters.http.ext_proc"
+        for o in order
+    )
 
 
 def _routes_and_pools(
@@ -556,10 +643,9 @@ def _routes_and_pools(
 GATEWAY_NAME_LABEL = "gateway.networking.k8s.io/gateway-name"
 
 
-def _istio(
+def _istio_gateways(
     docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
 ) -> None:
-    settings = _pdproc_settings(docs)
     for gw in (
         d for d in docs if d.kind == "Gateway" and d.spec.get("gatewayClassName") == "istio"
     ):
@@ -571,46 +657,18 @@ def _istio(
                 "proxyStatsMatcher for them (infrastructure.annotations proxy.istio.io/config), "
                 "or the fail-open alerts see nothing",
             )
+
+
+def _envoy_filters(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    settings = _pdproc_settings(docs)
     for ef in (d for d in docs if d.kind == "EnvoyFilter"):
         for patch in ef.spec.get("configPatches", []):
             value = patch.get("patch", {}).get("value", {})
             typed = value.get("typed_config", {})
             if typed.get("@type", "").endswith("ext_proc.v3.ExternalProcessor"):
-                cluster = (
-                    typed.get("grpc_service", {}).get("envoy_grpc", {}).get("cluster_name", "")
-                )
-                match = re.fullmatch(
-                    r"outbound\|(\d+)\|\|([^.]+)\.([^.]+)\.svc\.cluster\.local", cluster
-                )
-                if not match:
-                    report.error(
-                        ef.where, f"cluster_name {cluster!r} is not an Istio outbound cluster"
-                    )
-                else:
-                    _service_port(
-                        index, report, ef.where, match.group(2), int(match.group(1)), match.group(3)
-                    )
-                if "max_message_timeout" in typed:
-                    mmt = seconds(typed["max_message_timeout"])
-                    if mmt != settings["max_message"]:
-                        report.error(
-                            ef.where,
-                            f"max_message_timeout {mmt:g}s differs from "
-                            f"PDPROC_ENVOY_MAX_MESSAGE_TIMEOUT ({settings['max_message']:g}s)",
-                        )
-                    if mmt < settings["prefill_timeout"] + 1:
-                        report.error(
-                            ef.where, "max_message_timeout is below the prefill timeout + 1 s"
-                        )
-                receiving = (
-                    (typed.get("metadata_options") or {}).get("receiving_namespaces") or {}
-                ).get("untyped") or []
-                if "pdproc" not in receiving:
-                    report.error(
-                        ef.where,
-                        "metadata_options.receiving_namespaces.untyped must include pdproc "
-                        "(pdproc.body_checked)",
-                    )
+                _istio_ext_proc(ef, typed, settings, index, report)
             limit = value.get("per_connection_buffer_limit_bytes")
             if limit is not None and int(limit) < settings["max_body"]:
                 report.error(
@@ -618,6 +676,45 @@ def _istio(
                     f"per_connection_buffer_limit_bytes {limit} is below PDPROC_MAX_BODY_BYTES "
                     f"({settings['max_body']:g})",
                 )
+
+
+def _istio_ext_proc(
+    ef: Doc,
+    typed: dict[str, Any],
+    settings: dict[str, float],
+    index: dict[tuple[str, str], Doc],
+    report: Report,
+) -> None:
+    cluster = typed.get("grpc_service", {}).get("envoy_grpc", {}).get("cluster_name", "")
+    match = re.fullmatch(r"outbound\|(\d+)\|\|([^.]+)\.([^.]+)\.svc\.cluster\.local", cluster)
+    if not match:
+        report.error(ef.where, f"cluster_name {cluster!r} is not an Istio outbound cluster")
+    else:
+        _service_port(index, report, ef.where, match.group(2), int(match.group(1)), match.group(3))
+    if "max_message_timeout" in typed:
+        mmt = seconds(typed["max_message_timeout"])
+        if mmt != settings["max_message"]:
+            report.error(
+                ef.where,
+                f"max_message_timeout {mmt:g}s differs from "
+                f"PDPROC_ENVOY_MAX_MESSAGE_TIMEOUT ({settings['max_message']:g}s)",
+            )
+        if mmt < settings["prefill_timeout"] + 1:
+            report.error(ef.where, "max_message_timeout is below the prefill timeout + 1 s")
+    receiving = ((typed.get("metadata_options") or {}).get("receiving_namespaces") or {}).get(
+        "untyped"
+    ) or []
+    if "pdproc" not in receiving:
+        report.error(
+            ef.where,
+            "metadata_options.receiving_namespaces.untyped must include pdproc "
+            "(pdproc.body_checked)",
+        )
+
+
+def _destination_rules_and_telemetry(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
     for dr in (d for d in docs if d.kind == "DestinationRule"):
         match = re.fullmatch(r"([^.]+)\.([^.]+)\.svc\.cluster\.local", dr.spec["host"])
         if match and ("Service", match.group(1)) not in index:
@@ -651,57 +748,9 @@ def _epp(docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, repor
             ref = str(c.get("image", ""))
             if not ref.startswith(image + ":") and not ref.startswith(image + "@"):
                 continue
-            name = ref.split("@")[0]
-            tag = name.rpartition(":")[2] if name.count(":") else ""
-            # A digest without a tag (kustomize images: digest:) is a stronger pin.
-            if tag != ctx.epp["tag"] and not (tag == "" and "@sha256:" in ref):
-                report.error(
-                    w.where,
-                    f"EPP image {ref}: the flags and RBAC here are those of {ctx.epp['repo']} "
-                    f"{ctx.epp['tag']} (GIE {ctx.epp['gie_tag']}); pin that tag",
-                )
-            flags = set(ctx.epp["flags"])
             args = [str(a) for a in c.get("args", [])]
-            for arg in args:
-                if arg.startswith("-"):
-                    flag = arg.lstrip("-").split("=", 1)[0]
-                    if flag not in flags:
-                        report.error(
-                            w.where,
-                            f"EPP arg {arg}: {ctx.epp['repo']} {ctx.epp['tag']} (GIE "
-                            f"{ctx.epp['gie_tag']}) has no flag --{flag}; the EPP exits at "
-                            "startup",
-                        )
-            leader = any(
-                a.lstrip("-").startswith("ha-enable-leader-election") and not a.endswith("=false")
-                for a in args
-            )
-            replicas = w.spec.get("replicas", 1)
-            if replicas > 1 and not leader:
-                report.error(
-                    w.where,
-                    "several EPP replicas need --ha-enable-leader-election (one active picker)",
-                )
-            if leader:
-                for probe, service in (
-                    ("livenessProbe", "liveness"),
-                    ("readinessProbe", "readiness"),
-                ):
-                    got = ((c.get(probe) or {}).get("grpc") or {}).get("service")
-                    if got != service:
-                        report.error(
-                            w.where,
-                            f"with leader election the {probe} must ask gRPC service "
-                            f"{service!r} (got {got!r})",
-                        )
-                sa = pod_spec(w).get("serviceAccountName", "default")
-                if not _grants(
-                    docs, sa, "coordination.k8s.io", "leases", {"get", "create", "update"}
-                ):
-                    report.error(
-                        w.where,
-                        f"leader election: ServiceAccount {sa} may not get/create/update leases",
-                    )
+            _epp_image_and_flags(w, ref, args, ctx, report)
+            _epp_leader_election(docs, w, c, args, report)
             if w.spec.get("strategy", {}).get("type") == "Recreate":
                 report.error(
                     w.where,
@@ -709,6 +758,59 @@ def _epp(docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, repor
                     "(FailClose: every request fails)",
                 )
             _epp_health_checked(docs, w, args, report)
+
+
+def _epp_image_and_flags(w: Doc, ref: str, args: list[str], ctx: Context, report: Report) -> None:
+    name = ref.split("@")[0]
+    tag = name.rpartition(":")[2] if name.count(":") else ""
+    # A digest without a tag (kustomize images: digest:) is a stronger pin.
+    if tag != ctx.epp["tag"] and not (tag == "" and "@sha256:" in ref):
+        report.error(
+            w.where,
+            f"EPP image {ref}: the flags and RBAC here are those of {ctx.epp['repo']} "
+            f"{ctx.epp['tag']} (GIE {ctx.epp['gie_tag']}); pin that tag",
+        )
+    flags = set(ctx.epp["flags"])
+    for arg in args:
+        if arg.startswith("-"):
+            flag = arg.lstrip("-").split("=", 1)[0]
+            if flag not in flags:
+                report.error(
+                    w.where,
+                    f"EPP arg {arg}: {ctx.epp['repo']} {ctx.epp['tag']} (GIE "
+                    f"{ctx.epp['gie_tag']}) has no flag --{flag}; the EPP exits at "
+                    "startup",
+                )
+
+
+def _epp_leader_election(
+    docs: list[Doc], w: Doc, c: dict[str, Any], args: list[str], report: Report
+) -> None:
+    leader = any(
+        a.lstrip("-").startswith("ha-enable-leader-election") and not a.endswith("=false")
+        for a in args
+    )
+    replicas = w.spec.get("replicas", 1)
+    if replicas > 1 and not leader:
+        report.error(
+            w.where,
+            "several EPP replicas need --ha-enable-leader-election (one active picker)",
+        )
+    if not leader:
+        return
+    for probe, service in (("livenessProbe", "liveness"), ("readinessProbe", "readiness")):
+        got = ((c.get(probe) or {}).get("grpc") or {}).get("service")
+        if got != service:
+            report.error(
+                w.where,
+                f"with leader election the {probe} must ask gRPC service {service!r} (got {got!r})",
+            )
+    sa = pod_spec(w).get("serviceAccountName", "default")
+    if not _grants(docs, sa, "coordination.k8s.io", "leases", {"get", "create", "update"}):
+        report.error(
+            w.where,
+            f"leader election: ServiceAccount {sa} may not get/create/update leases",
+        )
 
 
 def _epp_health_checked(docs: list[Doc], w: Doc, args: list[str], report: Report) -> None:
@@ -787,21 +889,8 @@ def _network_policies(
         return
     allowed: dict[str, list[list[dict[str, Any]]]] = {}
     for pol in policies:
-        if "Ingress" not in pol.spec.get("policyTypes", ["Ingress"]):
-            continue
-        for rule in pol.spec.get("ingress", []):
-            if not rule.get("ports"):
-                report.error(pol.where, "an ingress rule without ports opens every port")
-            for p in rule.get("ports", []):
-                port = p.get("port")
-                name = (
-                    port
-                    if isinstance(port, str)
-                    else next((n for n, v in ports.items() if v == port), str(port))
-                )
-                if isinstance(port, str) and port not in ports:
-                    report.error(pol.where, f"port {port!r} is not a pdproc container port")
-                allowed.setdefault(name, []).append(rule.get("from", []))
+        if "Ingress" in pol.spec.get("policyTypes", ["Ingress"]):
+            _ingress_rules(pol, ports, allowed, report)
     for name, sources in allowed.items():
         for peers in sources:
             if not peers or any(not peer for peer in peers):
@@ -811,13 +900,35 @@ def _network_policies(
             report.error(policies[0].where, f"no ingress rule for pdproc's {needed} port")
 
 
+def _ingress_rules(
+    pol: Doc,
+    ports: dict[str, int],
+    allowed: dict[str, list[list[dict[str, Any]]]],
+    report: Report,
+) -> None:
+    """Adds to `allowed` the sources each pdproc port (by name) is open to."""
+    for rule in pol.spec.get("ingress", []):
+        if not rule.get("ports"):
+            report.error(pol.where, "an ingress rule without ports opens every port")
+        for p in rule.get("ports", []):
+            port = p.get("port")
+            name = (
+                port
+                if isinstance(port, str)
+                else next((n for n, v in ports.items() if v == port), str(port))
+            )
+            if isinstance(port, str) and port not in ports:
+                report.error(pol.where, f"port {port!r} is not a pdproc container port")
+            allowed.setdefault(name, []).append(rule.get("from", []))
+
+
 # ------------------------------------------------------------------------------ TLS
 
 
-def _tls(docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report) -> None:
-    """pdproc serving TLS (PDPROC_TLS_CERT) and the gateway speaking it must go together, as
-    must a required client certificate (PDPROC_TLS_CLIENT_CA) and the gateway presenting one;
-    the certificate files must come from a mounted volume."""
+def _tls_files(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    """The certificate files pdproc reads must come from a mounted volume."""
     found = pdproc_container(docs)
     if found is None:
         return
@@ -828,68 +939,92 @@ def _tls(docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, repor
         path = str(env.get(key) or "")
         if path and not any(path.startswith(m) for m in mounts):
             report.error(w.where, f"{key}={path} is on no mounted volume")
+
+
+def _tls_envoy_gateway(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    """pdproc serving TLS (PDPROC_TLS_CERT) and the gateway speaking it must go together, as
+    must a required client certificate (PDPROC_TLS_CLIENT_CA) and the gateway presenting one."""
+    found = pdproc_container(docs)
+    if found is None or not any(
+        d.kind == "Gateway" and d.spec.get("gatewayClassName") == "eg" for d in docs
+    ):
+        return
+    w, c = found
+    env = env_of(c)
     tls, mtls = bool(env.get("PDPROC_TLS_CERT")), bool(env.get("PDPROC_TLS_CLIENT_CA"))
-    gateways = {d.spec.get("gatewayClassName") for d in docs if d.kind == "Gateway"}
-    if "eg" in gateways:
-        policies = [
-            d
-            for d in docs
-            if d.kind == "BackendTLSPolicy"
-            and any(
-                r.get("kind") == "Service" and r.get("name") == PDPROC
-                for r in d.spec.get("targetRefs", [])
-            )
-        ]
-        client = any(
-            ((d.spec.get("backendTLS") or {}).get("clientCertificateRef") or {}).get("name")
-            for d in docs
-            if d.kind == "EnvoyProxy"
+    policies = [
+        d
+        for d in docs
+        if d.kind == "BackendTLSPolicy"
+        and any(
+            r.get("kind") == "Service" and r.get("name") == PDPROC
+            for r in d.spec.get("targetRefs", [])
         )
-        if tls and not policies:
+    ]
+    client = any(
+        ((d.spec.get("backendTLS") or {}).get("clientCertificateRef") or {}).get("name")
+        for d in docs
+        if d.kind == "EnvoyProxy"
+    )
+    if tls and not policies:
+        report.error(
+            w.where,
+            "pdproc serves TLS but no BackendTLSPolicy targets Service pdproc: the "
+            "gateway would speak cleartext to it",
+        )
+    if policies and not tls:
+        report.error(
+            policies[0].where,
+            "BackendTLSPolicy for pdproc, but pdproc serves cleartext (no PDPROC_TLS_CERT)",
+        )
+    if mtls and not client:
+        report.error(
+            w.where,
+            "pdproc requires a client certificate but the EnvoyProxy sets no "
+            "backendTLS.clientCertificateRef",
+        )
+    for pol in policies:
+        _check_server_name(
+            docs, pol, str(pol.spec.get("validation", {}).get("hostname", "")), report
+        )
+
+
+def _tls_istio(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    """The same agreement through Istio's DestinationRule for pdproc."""
+    found = pdproc_container(docs)
+    if found is None or not any(
+        d.kind == "Gateway" and d.spec.get("gatewayClassName") == "istio" for d in docs
+    ):
+        return
+    env = env_of(found[1])
+    tls, mtls = bool(env.get("PDPROC_TLS_CERT")), bool(env.get("PDPROC_TLS_CLIENT_CA"))
+    for dr in (
+        d
+        for d in docs
+        if d.kind == "DestinationRule" and d.spec.get("host", "").startswith("pdproc.")
+    ):
+        settings = (dr.spec.get("trafficPolicy") or {}).get("tls") or {}
+        mode = settings.get("mode", "DISABLE")
+        if tls and mode not in ("SIMPLE", "MUTUAL"):
             report.error(
-                w.where,
-                "pdproc serves TLS but no BackendTLSPolicy targets Service pdproc: the "
-                "gateway would speak cleartext to it",
+                dr.where, f"pdproc serves TLS but the DestinationRule's tls mode is {mode}"
             )
-        if policies and not tls:
+        if mtls and mode != "MUTUAL":
             report.error(
-                policies[0].where,
-                "BackendTLSPolicy for pdproc, but pdproc serves cleartext (no PDPROC_TLS_CERT)",
+                dr.where,
+                "pdproc requires a client certificate: tls mode must be MUTUAL "
+                "(with credentialName)",
             )
-        if mtls and not client:
+        if not tls and mode in ("SIMPLE", "MUTUAL"):
             report.error(
-                w.where,
-                "pdproc requires a client certificate but the EnvoyProxy sets no "
-                "backendTLS.clientCertificateRef",
+                dr.where, f"tls mode {mode}, but pdproc serves cleartext (no PDPROC_TLS_CERT)"
             )
-        for pol in policies:
-            _check_server_name(
-                docs, pol, str(pol.spec.get("validation", {}).get("hostname", "")), report
-            )
-    if "istio" in gateways:
-        for dr in (
-            d
-            for d in docs
-            if d.kind == "DestinationRule" and d.spec.get("host", "").startswith("pdproc.")
-        ):
-            mode = ((dr.spec.get("trafficPolicy") or {}).get("tls") or {}).get("mode", "DISABLE")
-            if tls and mode not in ("SIMPLE", "MUTUAL"):
-                report.error(
-                    dr.where, f"pdproc serves TLS but the DestinationRule's tls mode is {mode}"
-                )
-            if mtls and mode != "MUTUAL":
-                report.error(
-                    dr.where,
-                    "pdproc requires a client certificate: tls mode must be MUTUAL "
-                    "(with credentialName)",
-                )
-            if not tls and mode in ("SIMPLE", "MUTUAL"):
-                report.error(
-                    dr.where, f"tls mode {mode}, but pdproc serves cleartext (no PDPROC_TLS_CERT)"
-                )
-            sni = ((dr.spec.get("trafficPolicy") or {}).get("tls") or {}).get("sni")
-            if sni:
-                _check_server_name(docs, dr, str(sni), report)
+        if settings.get("sni"):
+            _check_server_name(docs, dr, str(settings["sni"]), report)
 
 
 def _check_server_name(docs: list[Doc], where: Doc, name: str, report: Report) -> None:

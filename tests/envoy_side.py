@@ -1,17 +1,20 @@
-"""Envoy's side of an ext_proc stream, played over a real grpc.aio channel: the messages
-Envoy sends for one request (headers, buffered body, the decode's response headers) and
-what Envoy would then do with pdproc's answers (forward a body, skip a phase, answer the
-client itself)."""
+"""Envoy's side of an ext_proc stream, for every suite that drives pdproc over gRPC: a
+channel as Envoy opens it, the messages Envoy sends (headers, the buffered body or its chunks,
+the decode's response headers), a bounded read, and `play`: one whole request as Envoy drives
+it, with what Envoy would then do with pdproc's answers (forward a body, skip a phase, answer
+the client itself)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import grpc
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from pdproc._proto.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import (
@@ -20,8 +23,18 @@ from pdproc._proto.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc._proto.google.protobuf.struct_pb2 import Struct
+from tests.metric_samples import sample_sum
+
+if TYPE_CHECKING:
+    from pdproc.server import Server
+    from pdproc.service import ExtProcService
 
 CHAT_PATH = "/v1/chat/completions"
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 50}
+# What `Pdproc.play` sends when no body is given.
+DEFAULT_BODY = orjson.dumps(
+    {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+)
 PREFILL_HEADER = "x-prefiller-host-port"
 READ_TIMEOUT_S = 15.0
 _ids = itertools.count(1)
@@ -66,6 +79,7 @@ def channel(port: int) -> grpc.aio.Channel:
 def request_headers(
     headers: dict[str, str | bytes], end_of_stream: bool = False
 ) -> pb.ProcessingRequest:
+    """The request headers exactly as given (values may be any bytes)."""
     return pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(
             headers=HeaderMap(
@@ -79,7 +93,30 @@ def request_headers(
     )
 
 
-def response_headers(status: str) -> pb.ProcessingRequest:
+def headers_msg(
+    path: str = CHAT_PATH,
+    method: str = "POST",
+    extra: dict[str, str] | None = None,
+    end_of_stream: bool = False,
+) -> pb.ProcessingRequest:
+    """A client's request headers, as Envoy's ext_proc filter sends them."""
+    values: dict[str, str | bytes] = {
+        ":method": method,
+        ":path": path,
+        ":authority": "gw",
+        "x-request-id": "req-1",
+    }
+    values.update(extra or {})
+    return request_headers(values, end_of_stream)
+
+
+def body_msg(body: bytes | dict[str, Any], end_of_stream: bool = True) -> pb.ProcessingRequest:
+    raw = body if isinstance(body, bytes) else orjson.dumps(body)
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=end_of_stream))
+
+
+def response_headers_msg(status: str = "200") -> pb.ProcessingRequest:
+    """The decode's response headers (the message pdproc may hold)."""
     return pb.ProcessingRequest(
         response_headers=pb.HttpHeaders(
             headers=HeaderMap(headers=[HeaderValue(key=":status", raw_value=status.encode())])
@@ -101,8 +138,9 @@ def single_message_body(
     return message
 
 
-async def _read(call: Any) -> pb.ProcessingResponse:
-    async with asyncio.timeout(READ_TIMEOUT_S):
+async def recv(call: Any, timeout_s: float = READ_TIMEOUT_S) -> pb.ProcessingResponse:
+    """pdproc's next message on the stream (bounded)."""
+    async with asyncio.timeout(timeout_s):
         message = await call.read()
     assert message is not grpc.aio.EOF, "pdproc ended the stream without an answer"
     assert isinstance(message, pb.ProcessingResponse)
@@ -112,7 +150,7 @@ async def _read(call: Any) -> pb.ProcessingResponse:
 async def _read_answer(call: Any, answers: list[pb.ProcessingResponse]) -> pb.ProcessingResponse:
     """The next real answer; a bare timeout override (the hold) is noted and skipped."""
     while True:
-        message = await _read(call)
+        message = await recv(call)
         answers.append(message)
         if message.WhichOneof("response") is not None:
             return message
@@ -205,7 +243,7 @@ async def play(
                 return Outcome(int(decode_status), forwarded, answers=answers)
         # The decode answers; Envoy sends its response headers and waits for pdproc (an
         # abort may already be on its way: then it is the next message read).
-        await call.write(response_headers(decode_status))
+        await call.write(response_headers_msg(decode_status))
         message = await _read_answer(call, answers)
         if message.HasField("immediate_response"):
             return _ended(message, answers, forwarded)
@@ -222,3 +260,52 @@ def _forwarded(message: pb.ProcessingResponse, body: bytes) -> bytes:
     if common.HasField("body_mutation"):
         return bytes(common.body_mutation.body)
     return body
+
+
+class Pdproc:
+    """A real pdproc `Server` in the test's process, and Envoy's side of its gRPC streams."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.channel = channel(server.port)
+        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
+        self.stopped = False
+
+    @property
+    def service(self) -> ExtProcService:
+        assert self.server.service is not None
+        return self.server.service
+
+    def open(self) -> Any:
+        """A new ext_proc stream, to write Envoy's messages on one by one."""
+        return self.stub.Process()
+
+    async def play(self, body: bytes = DEFAULT_BODY, **kw: Any) -> Outcome:
+        """One whole request as Envoy drives it (see `play`)."""
+        return await play(self.stub, body, **kw)
+
+    def sample(self, name: str, **labels: str) -> float:
+        """The sum of the samples `name` whose labels include `labels` (0 when none)."""
+        return sample_sum(self.server.metrics.registry, name, **labels)
+
+    async def metrics_page(self) -> str:
+        """The /metrics page, scraped over HTTP as Prometheus would."""
+        url = f"http://127.0.0.1:{self.server.metrics_port}/metrics"
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            assert response.status == 200
+            return await response.text()
+
+    async def series(self, name: str) -> list[dict[str, str]]:
+        """The label sets of every sample of `name` on the /metrics page."""
+        page = await self.metrics_page()
+        return [
+            dict(sample.labels)
+            for family in text_string_to_metric_families(page)
+            for sample in family.samples
+            if sample.name == name
+        ]
+
+    async def stop(self, **kw: Any) -> int:
+        self.stopped = True
+        await self.channel.close()
+        return await self.server.stop(**kw)

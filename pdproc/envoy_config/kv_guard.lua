@@ -13,7 +13,7 @@
 -- byte: a plain find from quote to quote through strings (escapes cost nothing), a
 -- character-class find from bracket to bracket between the strings of nested values, one
 -- anchored find per token of the top-level object. Measured at 1 MiB: +0.1 ms for one long
--- prompt string, +3 ms for 8,192 chat messages (docs/envoy-versions.md).
+-- prompt string, +3 ms for 8,192 chat messages (docs/envoy-releases.md).
 --
 -- Conservative on purpose: a top-level key containing any backslash escape is refused
 -- ("kv\u005ftransfer_params" is the same key to the decode's JSON parser), and so is a body

@@ -1,8 +1,8 @@
 """`pdproc envoy-config`: a complete Envoy bootstrap with pdproc in the filter chain.
 
-The template (`envoy/bootstrap.yaml.tmpl`) carries the reasoning for every non-default
-setting as comments, and `envoy/kv_guard.lua` is the Lua filter it embeds; this module only
-fills in addresses, sizes, timeouts, the P/D paths and the TLS files.
+The template beside this module (`bootstrap.yaml.tmpl`) carries the reasoning for every
+non-default setting as comments, and `kv_guard.lua` is the Lua filter it embeds; this module
+only fills in addresses, sizes, timeouts, the P/D paths and the TLS files.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 from importlib import resources
 from string import Template
 
-from pdproc.config import DEFAULT_PD_PATHS, MiB
+from pdproc.config import (
+    DEFAULT_OPEN_PATHS,
+    DEFAULT_PD_PATHS,
+    EnvoyConfigSettings,
+    serve_default,
+)
 from pdproc.extproc_messages import REQUEST_ATTRIBUTES
 from pdproc.gateway_fields import GATEWAY_HEADERS
 from pdproc.targets import PREFILL_HEADER, HostPort, parse_host_port
-
-# Paths other than the P/D ones that reach the decode pods (with the kv guard, without
-# pdproc): read-only ones a client of an OpenAI-style server expects. Every other path is
-# refused by the generated config (`--open-path` replaces this list).
-DEFAULT_OPEN_PATHS = ("/v1/models", "/health", "/version")
 
 _ACCESS_LOG = """\
           access_log:
@@ -145,9 +145,10 @@ class EnvoyOptions:
     pd_paths: Sequence[str] = DEFAULT_PD_PATHS
     # Non-P/D paths that reach the decode (kv guard, no pdproc); all others get a 404.
     open_paths: Sequence[str] = DEFAULT_OPEN_PATHS
-    max_body_bytes: int = 16 * MiB
-    max_message_timeout_s: float = 300.0
-    message_timeout_s: float = 10.0
+    # Kept equal to pdproc's own settings: the same declarations (pdproc.config).
+    max_body_bytes: int = serve_default("max_body_bytes")
+    max_message_timeout_s: float = serve_default("envoy_max_message_timeout")
+    message_timeout_s: float = serve_default("envoy_message_timeout")
     with_processor: bool = True  # False: Envoy alone (the benchmark's baseline)
     access_log: bool = False
     failure_mode_allow: bool = True
@@ -289,7 +290,7 @@ _PD_VARIANT_BODY = json.dumps(
 
 def kv_guard_source() -> str:
     """The kv guard Lua filter (also for manifests that embed it elsewhere)."""
-    return resources.files("pdproc").joinpath("envoy/kv_guard.lua").read_text("utf-8")
+    return resources.files("pdproc.envoy_config").joinpath("kv_guard.lua").read_text("utf-8")
 
 
 def _indented(text: str, spaces: int) -> str:
@@ -332,7 +333,7 @@ def _tls_socket(options: EnvoyOptions) -> str:
 
 def render(options: EnvoyOptions) -> str:
     template = Template(
-        resources.files("pdproc").joinpath("envoy/bootstrap.yaml.tmpl").read_text("utf-8")
+        resources.files("pdproc.envoy_config").joinpath("bootstrap.yaml.tmpl").read_text("utf-8")
     )
     text = template.substitute(
         admin_host=options.admin.host,
@@ -406,6 +407,42 @@ def _seconds(value: float) -> str:
 
 def parse_targets(values: Sequence[str]) -> list[HostPort]:
     return [parse_host_port(v) for v in values]
+
+
+def options_from(flags: EnvoyConfigSettings) -> EnvoyOptions:
+    """The render options of `pdproc envoy-config`'s flags."""
+    return EnvoyOptions(
+        listen=flags.listen,
+        processor=flags.processor,
+        decode=flags.decode,
+        admin=flags.admin,
+        # The declared order first (a frozenset has none), then any others sorted.
+        pd_paths=sorted(
+            flags.pd_path,
+            key=lambda p: (DEFAULT_PD_PATHS.index(p), "") if p in DEFAULT_PD_PATHS else (99, p),
+        ),
+        open_paths=flags.open_path,
+        max_body_bytes=flags.max_body_bytes,
+        max_message_timeout_s=flags.envoy_max_message_timeout,
+        message_timeout_s=flags.envoy_message_timeout,
+        with_processor=not flags.no_processor,
+        access_log=flags.access_log,
+        failure_mode_allow=not flags.fail_closed,
+        hold_response=not flags.no_response_hold,
+        single_message=flags.single_message,
+        prefill_headers=flags.prefill_header,
+        request_timeout_s=flags.request_timeout,
+        request_headers_timeout_s=flags.request_headers_timeout,
+        processor_tls_ca=flags.processor_tls_ca,
+        processor_tls_cert=flags.processor_tls_cert,
+        processor_tls_key=flags.processor_tls_key,
+        processor_sni=flags.processor_sni,
+        envoy_version=(
+            parse_envoy_version(flags.envoy_version)
+            if flags.envoy_version
+            else default_envoy_version()
+        ),
+    )
 
 
 def request_attributes(options: EnvoyOptions) -> tuple[str, ...]:

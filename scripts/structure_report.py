@@ -1,0 +1,389 @@
+"""The shape of the code: import cycles of a package and a complexity table.
+
+    python scripts/structure_report.py                 # pdproc/, complexity of the whole repo
+    python scripts/structure_report.py --package pdproc --over 10 --json
+
+Import graph: every `import` / `from ... import` of a module of the package, read with `ast`
+(nothing is imported or run). Imports inside `if TYPE_CHECKING:` are edges of their own kind:
+they are not cycles at run time, but they are cycles of the design, so the report gives the
+strongly connected components twice, without them and with them. Imports inside functions
+(deferred imports) count as run-time edges and are marked as deferred.
+
+Complexity: McCabe's cyclomatic complexity per function, counted as ruff's C901 does (the
+gate of `make lint`) and as radon does (boolean operators and comprehensions too), every
+function over `--over` by either count, and the largest per package (folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Folders of the repository the complexity table covers (generated code left out).
+CODE_DIRS = ("pdproc", "sim", "bench", "scripts", "deploy", "tests")
+EXCLUDED = ("pdproc/_proto",)
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    source: str
+    target: str
+    type_checking: bool
+    deferred: bool
+
+
+@dataclass
+class Graph:
+    modules: set[str] = field(default_factory=set)
+    edges: list[Edge] = field(default_factory=list)
+
+    def successors(self, *, with_type_checking: bool) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {m: set() for m in self.modules}
+        for edge in self.edges:
+            if edge.type_checking and not with_type_checking:
+                continue
+            if edge.source != edge.target:
+                out[edge.source].add(edge.target)
+        return out
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    if isinstance(test, ast.Name):
+        return test.id == "TYPE_CHECKING"
+    return isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+
+
+def _imports(
+    node: ast.AST, *, type_checking: bool = False, deferred: bool = False
+) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool, bool]]:
+    """Every import statement under `node`, with whether it sits under TYPE_CHECKING and
+    whether it runs only when a function is called."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child, type_checking, deferred
+        elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            for stmt in child.body:
+                yield from _imports(
+                    ast.Module(body=[stmt], type_ignores=[]), type_checking=True, deferred=deferred
+                )
+            for stmt in child.orelse:
+                yield from _imports(
+                    ast.Module(body=[stmt], type_ignores=[]),
+                    type_checking=type_checking,
+                    deferred=deferred,
+                )
+        else:
+            inner = deferred or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            yield from _imports(child, type_checking=type_checking, deferred=inner)
+
+
+def _resolve(
+    stmt: ast.Import | ast.ImportFrom, current: str, is_package: bool, modules: set[str]
+) -> Iterator[str]:
+    """The package's modules an import statement loads (the most specific one known)."""
+    if isinstance(stmt, ast.Import):
+        candidates = [alias.name for alias in stmt.names]
+    else:
+        if stmt.level:
+            base = current.split(".")
+            if not is_package:
+                base = base[:-1]
+            base = base[: len(base) - (stmt.level - 1)]
+            prefix = ".".join([*base, stmt.module] if stmt.module else base)
+        else:
+            prefix = stmt.module or ""
+        # `from pdproc import stream` loads pdproc.stream; `from pdproc.x import name`, pdproc.x.
+        candidates = [f"{prefix}.{alias.name}" for alias in stmt.names] + [prefix]
+    for name in candidates:
+        probe = name
+        while probe and probe not in modules:
+            probe = probe.rpartition(".")[0]
+        if probe:
+            yield probe
+
+
+def import_graph(root: Path, package: str) -> Graph:
+    files = [
+        p
+        for p in sorted((root / package).rglob("*.py"))
+        if not any(p.is_relative_to(root / e) for e in EXCLUDED)
+    ]
+    graph = Graph(modules={module_name(p, root) for p in files})
+    for path in files:
+        current = module_name(path, root)
+        tree = ast.parse(path.read_text("utf-8"), str(path))
+        for stmt, type_checking, deferred in _imports(tree):
+            is_package = path.name == "__init__.py"
+            for target in set(_resolve(stmt, current, is_package, graph.modules)):
+                graph.edges.append(Edge(current, target, type_checking, deferred))
+    return graph
+
+
+def strongly_connected(successors: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm (iterative); only the components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for start in sorted(successors):
+        if start in index:
+            continue
+        work: list[tuple[str, Iterator[str]]] = [(start, iter(sorted(successors[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(successors[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return sorted(found)
+
+
+class _Complexity(ast.NodeVisitor):
+    """Cyclomatic complexity of one function body, counted two ways:
+
+    - `statements`: what ruff's C901 (the mccabe rule `make lint` enforces) counts: 1 + each
+      if/elif, loop, except, else of a try and match case; a nested function adds its own.
+    - `radon`: the same plus each boolean operator, conditional expression and comprehension
+      (`for` and its `if`s), as radon counts; the figures issue 23 quoted (main: 51).
+    """
+
+    def __init__(self) -> None:
+        self.statements = 1
+        self.expressions = 0
+
+    @property
+    def radon(self) -> int:
+        return self.statements + self.expressions
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        pass
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        self.statements += 1
+        self.generic_visit(node)
+
+    visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
+
+    def _branch(self, node: ast.AST) -> None:
+        self.statements += 1
+        self.generic_visit(node)
+
+    visit_If = visit_For = visit_AsyncFor = visit_While = _branch
+
+    def visit_Try(self, node: ast.Try) -> None:
+        self.statements += len(node.handlers) + bool(node.orelse)
+        self.generic_visit(node)
+
+    visit_TryStar = visit_Try  # type: ignore[assignment]
+
+    def visit_Match(self, node: ast.Match) -> None:
+        self.statements += len(node.cases) - 1
+        self.generic_visit(node)
+
+    def visit_IfExp(self, node: ast.IfExp) -> None:
+        self.expressions += 1
+        self.generic_visit(node)
+
+    def visit_BoolOp(self, node: ast.BoolOp) -> None:
+        self.expressions += len(node.values) - 1
+        self.generic_visit(node)
+
+    def visit_comprehension(self, node: ast.comprehension) -> None:
+        self.expressions += 1 + len(node.ifs)
+        self.generic_visit(node)
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionComplexity:
+    path: str
+    line: int
+    name: str
+    complexity: int  # ruff's C901
+    radon: int
+
+    @property
+    def package(self) -> str:
+        return str(Path(self.path).parent)
+
+
+def _functions(
+    tree: ast.AST, prefix: str = ""
+) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield prefix + node.name, node
+            yield from _functions(node, prefix + node.name + ".")
+        elif isinstance(node, ast.ClassDef):
+            yield from _functions(node, prefix + node.name + ".")
+        else:
+            yield from _functions(node, prefix)
+
+
+def complexity(root: Path, paths: Iterable[Path]) -> list[FunctionComplexity]:
+    table = []
+    for path in paths:
+        tree = ast.parse(path.read_text("utf-8"), str(path))
+        for name, node in _functions(tree):
+            visitor = _Complexity()
+            for stmt in node.body:
+                visitor.visit(stmt)
+            relative = str(path.relative_to(root))
+            table.append(
+                FunctionComplexity(relative, node.lineno, name, visitor.statements, visitor.radon)
+            )
+    return table
+
+
+def python_files(root: Path, dirs: Iterable[str]) -> list[Path]:
+    files: list[Path] = []
+    for folder in dirs:
+        base = root / folder
+        if base.is_dir():
+            files.extend(
+                p
+                for p in sorted(base.rglob("*.py"))
+                if not any(p.is_relative_to(root / e) for e in EXCLUDED)
+                and not any(part.startswith(".venv") for part in p.parts)
+            )
+    return files
+
+
+def report(root: Path, package: str, dirs: Iterable[str], over: int) -> dict[str, object]:
+    graph = import_graph(root, package)
+    runtime = strongly_connected(graph.successors(with_type_checking=False))
+    design = strongly_connected(graph.successors(with_type_checking=True))
+    type_checking_edges = sorted(
+        {(e.source, e.target) for e in graph.edges if e.type_checking and e.source != e.target}
+    )
+    table = complexity(root, python_files(root, dirs))
+    largest: dict[str, FunctionComplexity] = {}
+    for row in table:
+        best = largest.get(row.package)
+        if best is None or row.complexity > best.complexity:
+            largest[row.package] = row
+    return {
+        "package": package,
+        "modules": len(graph.modules),
+        "import_edges": len({(e.source, e.target) for e in graph.edges}),
+        "cycles_runtime": runtime,
+        "cycles_with_type_checking": design,
+        "type_checking_imports": [f"{a} -> {b}" for a, b in type_checking_edges],
+        "functions": len(table),
+        "over": over,
+        "functions_over": [
+            {
+                "where": f"{r.path}:{r.line}",
+                "function": r.name,
+                "complexity": r.complexity,
+                "radon": r.radon,
+            }
+            for r in sorted(table, key=lambda r: (-r.complexity, -r.radon, r.path, r.line))
+            if r.complexity > over or r.radon > over
+        ],
+        "max_per_package": {
+            folder: {
+                "function": f"{r.path}:{r.line} {r.name}",
+                "complexity": r.complexity,
+                "radon": max(row.radon for row in table if row.package == folder),
+            }
+            for folder, r in sorted(largest.items())
+        },
+    }
+
+
+def _print_text(data: dict[str, object]) -> None:
+    cycles_runtime = data["cycles_runtime"]
+    cycles_design = data["cycles_with_type_checking"]
+    assert isinstance(cycles_runtime, list)
+    assert isinstance(cycles_design, list)
+    print(f"import graph of {data['package']}/: {data['modules']} modules, ", end="")
+    print(f"{data['import_edges']} edges")
+    print(f"cycles at run time (strongly connected components): {len(cycles_runtime)}")
+    for component in cycles_runtime:
+        print("  " + " <-> ".join(component))
+    print(f"cycles counting TYPE_CHECKING imports: {len(cycles_design)}")
+    for component in cycles_design:
+        print("  " + " <-> ".join(component))
+    print("imports under TYPE_CHECKING:")
+    imports = data["type_checking_imports"]
+    assert isinstance(imports, list)
+    for line in imports:
+        print(f"  {line}")
+    over = data["functions_over"]
+    assert isinstance(over, list)
+    print(
+        f"\nfunctions over complexity {data['over']} (either count): {len(over)} "
+        f"of {data['functions']}\n  C901 radon"
+    )
+    for row in over:
+        print(f"  {row['complexity']:4d} {row['radon']:5d}  {row['where']}  {row['function']}")
+    print("\nlargest complexity per package (C901, with its function; radon's largest):")
+    largest = data["max_per_package"]
+    assert isinstance(largest, dict)
+    for folder, row in largest.items():
+        print(f"  {row['complexity']:4d} {row['radon']:5d}  {folder:30s} {row['function']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--package", default="pdproc", help="package of the import graph")
+    parser.add_argument(
+        "--dirs", nargs="*", default=list(CODE_DIRS), help="folders of the complexity table"
+    )
+    parser.add_argument("--over", type=int, default=10, help="list functions above this")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--root", type=Path, default=REPO, help="checkout to measure (default: this one)"
+    )
+    args = parser.parse_args(argv)
+    data = report(args.root.resolve(), args.package, args.dirs, args.over)
+    if args.json:
+        json.dump(data, sys.stdout, indent=2)
+        print()
+    else:
+        _print_text(data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""scripts/structure_report.py: import cycles (with and without TYPE_CHECKING imports) and
+complexity as ruff's C901 counts it, on a small package written for the test."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "structure_report.py"
+
+
+@pytest.fixture(scope="module")
+def report_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("structure_report", SCRIPT)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+def test_cycles_at_run_time_and_through_type_checking(
+    report_module: ModuleType, tmp_path: Path
+) -> None:
+    write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from pkg import b\n",
+            "pkg/b.py": "from pkg.c import thing\n",
+            "pkg/c.py": """
+                from typing import TYPE_CHECKING
+                if TYPE_CHECKING:
+                    from pkg.a import x
+                thing = 1
+            """,
+            "pkg/d.py": "from . import e\n",
+            "pkg/e.py": """
+                def later():
+                    from pkg import d
+            """,
+        },
+    )
+    data = report_module.report(tmp_path, "pkg", ["pkg"], over=10)
+    # d <-> e is a cycle at run time (a deferred import still runs); a -> b -> c -> a
+    # only through TYPE_CHECKING.
+    assert data["cycles_runtime"] == [["pkg.d", "pkg.e"]]
+    assert data["cycles_with_type_checking"] == [["pkg.a", "pkg.b", "pkg.c"], ["pkg.d", "pkg.e"]]
+    assert data["type_checking_imports"] == ["pkg.c -> pkg.a"]
+
+
+def test_complexity_counts_like_ruff_and_like_radon(
+    report_module: ModuleType, tmp_path: Path
+) -> None:
+    write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/f.py": """
+                def f(x, items):
+                    if x and items:          # +1 (radon: +1 for `and`)
+                        pass
+                    elif x:                  # +1
+                        pass
+                    for i in items:          # +1
+                        while i:             # +1
+                            i -= 1
+                    try:
+                        pass
+                    except ValueError:       # +1
+                        pass
+                    else:                    # +1
+                        pass
+                    y = [i for i in items if i]  # radon: +2
+                    return y if x else None  # radon: +1
+            """,
+        },
+    )
+    data = report_module.report(tmp_path, "pkg", ["pkg"], over=5)
+    (row,) = data["functions_over"]
+    assert (row["function"], row["complexity"], row["radon"]) == ("f", 7, 11)
+    assert data["max_per_package"]["pkg"]["complexity"] == 7
