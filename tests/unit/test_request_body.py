@@ -49,7 +49,8 @@ def test_the_prefill_leg_carries_the_clients_spelling_of_every_member_it_keeps()
         b'"logit_bias":{"50256":-100}',
     ):
         assert spelled in legs.prefill_body
-        assert legs.decode_body is not None and spelled in legs.decode_body
+        assert legs.decode_body is not None
+        assert spelled in legs.decode_body
     prefill = json.loads(legs.prefill_body)
     assert (prefill["max_tokens"], prefill["stream"], prefill["ignore_eos"]) == (1, False, True)
     assert "stop" not in prefill
