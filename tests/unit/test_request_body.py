@@ -141,9 +141,9 @@ def test_white_space_around_members_and_after_the_body() -> None:
     raw = b'{ "model" : "m" ,\n "prompt" : "hi" ' + b" " * 100_000 + b"}" + b"\n" * 100_000
     prefill, decode = mooncake_legs(raw)
     assert prefill["prompt"] == decode["prompt"] == "hi"
-    assert decode["kv_transfer_params"]["transfer_id"] == prefill["kv_transfer_params"][
-        "transfer_id"
-    ]
+    assert (
+        decode["kv_transfer_params"]["transfer_id"] == prefill["kv_transfer_params"]["transfer_id"]
+    )
 
 
 def test_generate_sampling_params_are_primed_member_by_member() -> None:
