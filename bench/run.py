@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 from pdproc_sim import devstack
 
-from bench import chart, profile, report
+from bench import baseline, chart, profile, report
 from bench.stack import (
     CONFIGS,
     DESCRIPTIONS,
@@ -100,6 +100,7 @@ class Options:
     smoke: bool
     command: str
     upload_mbps: float = 0.0
+    baseline_pdproc: Path | None = None
 
     def requests_for(self, concurrency: int) -> int:
         # Every worker sends several, so p99 is not one request's luck; few enough that five
@@ -118,6 +119,9 @@ class Options:
             workers=self.workers,
             pdproc_args=self.pdproc_args,
             envoy_options=self.envoy_options,
+            # The largest body plus room for what the processors splice in.
+            max_body_bytes=max(16 * MiB, max(self.sizes) + MiB),
+            baseline_pdproc=self.baseline_pdproc,
         )
 
 
@@ -276,6 +280,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="run the processes in DIR and keep their logs there (default: a temporary folder)",
     )
+    parser.add_argument(
+        "--baseline-pdproc",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="another pdproc to run as pdproc-baseline, beside this one in the same rounds: "
+        "its bin/pdproc, its virtualenv or a wheel (python -m bench.baseline builds one at a "
+        "git revision)",
+    )
     parser.add_argument("--profile-size", type=parse_size, default=KiB, help="default 1k")
     parser.add_argument("--profile-concurrency", type=_positive_int, default=16)
     return parser
@@ -300,6 +313,7 @@ def options_from(args: argparse.Namespace, argv: Sequence[str]) -> Options:
         "pdproc_args": tuple(args.pdproc_arg),
         "envoy_options": dict(args.envoy_option),
         "upload_mbps": args.upload_mbps,
+        "baseline_pdproc": args.baseline_pdproc,
         "command": shlex.join(["python", "-m", "bench.run", *argv]),
     }
     if args.smoke:
@@ -599,6 +613,7 @@ def meta(opts: Options) -> dict[str, Any]:
         "pdproc_args": list(opts.pdproc_args),
         "envoy_options": opts.envoy_options,
         "upload_mbps": opts.upload_mbps,
+        "baseline_pdproc": str(opts.baseline_pdproc) if opts.baseline_pdproc else None,
         "cpus": os.cpu_count(),
         "cpu_model": cpu_model,
         "loadavg_start": loadavg(),
@@ -700,6 +715,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             workdir.mkdir(parents=True, exist_ok=True)
         else:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pdproc-bench-")))
+        if opts.baseline_pdproc is not None:
+            opts = replace(opts, baseline_pdproc=baseline.resolve(opts.baseline_pdproc, workdir))
         try:
             results = run(opts, workdir)
         except BaseException:
