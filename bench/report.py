@@ -21,6 +21,7 @@ VERSUS = (
     ("pdproc", "floor"),
     ("pdproc-baseline", "floor"),
     ("pdproc", "pdproc-baseline"),
+    ("pdproc-auto-workers", "pdproc"),
     ("pdproc-1msg", "floor"),
     ("floor", "envoy"),
     ("pdproc", "vllm-router"),

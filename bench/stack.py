@@ -32,6 +32,7 @@ from pdproc_sim import devstack
 from pdproc_sim.devstack import Process, SimPair
 
 from pdproc.targets import PREFILL_HEADER, HostPort, parse_host_port
+from pdproc.workers import usable_cpus
 
 BENCH_DIR = Path(__file__).resolve().parent
 FLOOR_SCRIPT = BENCH_DIR / "floor.py"
@@ -43,6 +44,7 @@ CONFIGS = (
     "floor",
     "pdproc",
     "pdproc-baseline",
+    "pdproc-auto-workers",
     "pdproc-1msg",
     "vllm-router",
     "pdproc-nixlv2",
@@ -64,6 +66,7 @@ DESCRIPTIONS = {
     "floor": "client -> Envoy + bench/floor.py (smallest correct Mooncake ext_proc) -> decode",
     "pdproc": "client -> Envoy + pdproc (P/D, x-prefiller-host-port) -> decode; pdproc -> prefill",
     "pdproc-baseline": "as pdproc, with another pdproc installation (--baseline-pdproc)",
+    "pdproc-auto-workers": "as pdproc, with pdproc's default --workers (one per usable CPU)",
     "pdproc-1msg": "as pdproc, Envoy in single-message mode (envoy-config --single-message)",
     "vllm-router": "client -> vllm-router --vllm-pd-disaggregation --kv-connector mooncake",
     "pdproc-nixlv2": "as pdproc with --kv-connector nixlv2, on a NIXL (nixlv2) simulator",
@@ -76,7 +79,14 @@ PD_CONFIGS = frozenset(CONFIGS) - {"direct", "envoy"}
 ROLES = ("envoy", "processor", "router", "sim")
 PROXY_ROLES = ("envoy", "processor", "router")
 PDPROC_CONFIGS = frozenset(
-    {"pdproc", "pdproc-baseline", "pdproc-1msg", "pdproc-nixlv2", "pdproc-sglang"}
+    {
+        "pdproc",
+        "pdproc-baseline",
+        "pdproc-auto-workers",
+        "pdproc-1msg",
+        "pdproc-nixlv2",
+        "pdproc-sglang",
+    }
 )
 # The processor part behind each configuration's Envoy.
 BEHIND = {"pdproc-1msg": "pdproc"}
@@ -237,7 +247,8 @@ def start_pdproc(
     if connector == "sglang" and devstack.pdproc_has_flag("--sglang-bootstrap-port"):
         args += ["--sglang-bootstrap-port", str(sim.bootstrap.port)]
     args += ["--log-level", opts.pdproc_log_level]
-    args += ["--workers", str(opts.workers)]
+    workers = usable_cpus() if name == "pdproc-auto-workers" else opts.workers
+    args += ["--workers", str(workers)]
     args += _body_limits(opts)
     if name == "pdproc-baseline":
         assert opts.baseline_pdproc is not None

@@ -418,8 +418,10 @@ class Disaggregated(_BodyChecks):
         self._busy_s += time.perf_counter() - started
         service.metrics.processing_seconds.observe(self._busy_s)
         if service.connector.sequential or legs.decode_body is None:
-            # The body's answer waits for the prefill (Envoy is told to wait if it must).
-            return self._deferred(job, self._after_prefill(job, checked))
+            # The body's answer waits for the prefill (Envoy is told to wait if it must); the
+            # client's body, kept for it till then, stays counted (released at close).
+            self._budget.keep(len(checked.raw))
+            return self._deferred(job, self._released_after(self._after_prefill(job, checked)))
         return self._decode(legs.decode_body)
 
     def _launch(self, legs: Legs, request: ClientRequest) -> PrefillJob:
@@ -464,6 +466,13 @@ class Disaggregated(_BodyChecks):
         # Leave the override time to reach Envoy before its own timer fires.
         timeout = settings.envoy_message_timeout
         return Deferred(later, hold, hold_after=max(timeout - 2.0, timeout / 2))
+
+    async def _released_after(self, answer: Awaitable[msg.Response]) -> msg.Response:
+        """The answer; the body bytes this request held are released once it is built."""
+        try:
+            return await answer
+        finally:
+            self._budget.release()
 
     async def _after_prefill(self, job: PrefillJob, request: ClientRequest) -> msg.Response:
         """Sequential connectors: the decode leg once the prefill has answered."""
