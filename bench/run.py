@@ -383,16 +383,28 @@ class Snapshot:
     ext_proc: dict[str, int]  # Envoy's ext_proc counters (messages to and from the processor)
 
 
+def _get(url: str) -> tuple[int, bytes]:
+    """A GET of a stats page; a part too busy to answer in time (16 MiB prompts at c=64 keep
+    the simulator busy) costs that run its figure, never the whole bench."""
+    try:
+        return devstack.http_get(url, timeout_s=_STATS_TIMEOUT_S)
+    except OSError:
+        return 0, b""
+
+
+_STATS_TIMEOUT_S = 20.0
+
+
 def _sim_stats(target: Target) -> dict[str, Any]:
-    status, body = devstack.http_get(target.sim.decode.url() + "/sim/stats")
+    status, body = _get(target.sim.decode.url() + "/sim/stats")
     return orjson.loads(body) if status == 200 else {}
 
 
 def _processing(target: Target) -> tuple[float, float] | None:
     if target.metrics is None:
         return None
-    page = devstack.http_get(target.metrics.url() + "/metrics")[1].decode()
-    return scrape_processing(page)
+    status, page = _get(target.metrics.url() + "/metrics")
+    return scrape_processing(page.decode()) if status == 200 else None
 
 
 def scrape_processing(metrics_text: str) -> tuple[float, float]:
@@ -409,7 +421,7 @@ def scrape_processing(metrics_text: str) -> tuple[float, float]:
 def _ext_proc(target: Target) -> dict[str, int]:
     if target.envoy_admin is None:
         return {}
-    status, body = devstack.http_get(target.envoy_admin.url() + "/stats?filter=ext_proc")
+    status, body = _get(target.envoy_admin.url() + "/stats?filter=ext_proc")
     out = {}
     for line in body.decode().splitlines() if status == 200 else ():
         name, _, value = line.partition(": ")
