@@ -101,6 +101,8 @@ class Options:
     command: str
     upload_mbps: float = 0.0
     baseline_pdproc: Path | None = None
+    # Cells whose bodies in flight (size x concurrency) pass this are left out (0: none).
+    max_cell_bytes: int = 0
 
     def requests_for(self, concurrency: int) -> int:
         # Every worker sends several, so p99 is not one request's luck; few enough that five
@@ -289,6 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
         "its bin/pdproc, its virtualenv or a wheel (python -m bench.baseline builds one at a "
         "git revision)",
     )
+    parser.add_argument(
+        "--max-cell-bytes",
+        type=parse_size,
+        default=0,
+        metavar="SIZE",
+        help="leave out cells whose body bytes in flight (size x concurrency) pass SIZE, e.g. "
+        "512m: 16 MiB at c=64 holds 1 GiB in the simulator, which a 24 GiB box cannot keep",
+    )
     parser.add_argument("--profile-size", type=parse_size, default=KiB, help="default 1k")
     parser.add_argument("--profile-concurrency", type=_positive_int, default=16)
     return parser
@@ -314,6 +324,7 @@ def options_from(args: argparse.Namespace, argv: Sequence[str]) -> Options:
         "envoy_options": dict(args.envoy_option),
         "upload_mbps": args.upload_mbps,
         "baseline_pdproc": args.baseline_pdproc,
+        "max_cell_bytes": args.max_cell_bytes,
         "command": shlex.join(["python", "-m", "bench.run", *argv]),
     }
     if args.smoke:
@@ -626,6 +637,7 @@ def meta(opts: Options) -> dict[str, Any]:
         "envoy_options": opts.envoy_options,
         "upload_mbps": opts.upload_mbps,
         "baseline_pdproc": str(opts.baseline_pdproc) if opts.baseline_pdproc else None,
+        "max_cell_bytes": opts.max_cell_bytes,
         "cpus": os.cpu_count(),
         "cpu_model": cpu_model,
         "loadavg_start": loadavg(),
@@ -691,6 +703,8 @@ def run(opts: Options, workdir: Path) -> dict[str, Any]:
             order = names[shift:] + names[:shift]
             for size in opts.sizes:
                 for level in opts.concurrency:
+                    if opts.max_cell_bytes and size * level > opts.max_cell_bytes:
+                        continue
                     for name in order:
                         if time.monotonic() > deadline:
                             results["meta"]["truncated"] = True
