@@ -19,6 +19,9 @@ CPU_ROLES = (*ROLES, "client")
 # Same-round comparisons: (candidate, reference). pdproc against the floor first.
 VERSUS = (
     ("pdproc", "floor"),
+    ("pdproc-baseline", "floor"),
+    ("pdproc", "pdproc-baseline"),
+    ("pdproc-auto-workers", "pdproc"),
     ("pdproc-1msg", "floor"),
     ("floor", "envoy"),
     ("pdproc", "vllm-router"),
@@ -144,7 +147,7 @@ def summarise(rows: list[dict[str, Any]], opts: Options) -> dict[str, Any]:
     ]
     summary: dict[str, Any] = {"cells": cells, "versus": versus, "derived": derived}
     summary["headline"] = headline(versus, opts)
-    summary["targets"] = judge(derived, opts)
+    summary["targets"] = judge(derived, opts, versus)
     return summary
 
 
@@ -172,7 +175,7 @@ def headline(versus: list[dict[str, Any]], opts: Options) -> dict[str, Any]:
     top = max(opts.concurrency)
     mid = 16 if 16 in opts.concurrency else top
     out: dict[str, Any] = {"saturation_concurrency": top, "ttft_concurrency": mid}
-    for a in ("pdproc", "pdproc-1msg"):
+    for a in ("pdproc", "pdproc-baseline", "pdproc-1msg"):
         saturation = index.get((a, "floor", KiB, top))
         per_size = []
         for size in opts.sizes:
@@ -226,35 +229,63 @@ def _derive(rows: Rows, size: int, level: int, opts: Options) -> dict[str, Any]:
     return out
 
 
-def judge(derived: list[dict[str, Any]], opts: Options) -> list[dict[str, Any]]:
-    """The issue's targets, each judged on the median over rounds; met=None: not measured.
+def judge(
+    derived: list[dict[str, Any]], opts: Options, versus: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """The issues' targets, each judged on the median over rounds; met=None: not measured.
 
     The literal reading (pdproc minus Envoy alone) charges pdproc with the prefill itself,
     which no P/D router can avoid, so each latency target is also judged net of the P/D floor
     (direct-pd minus direct) and net of the simulated prefill time.
     """
-    index = {(d["size"], d["concurrency"]): d for d in derived}
     verdicts: list[dict[str, Any]] = []
+    index = {(d["size"], d["concurrency"]): d for d in derived}
 
     def check(target: str, size: int, level: int, key: str, limit: float, op: str) -> None:
-        cell = index.get((size, level))
-        value = cell[key]["median"] if cell else None
-        met = None
-        if value is not None:
-            met = {"<=": value <= limit, "<": value < limit, ">=": value >= limit}[op]
-        verdicts.append(
-            {
-                "target": target,
-                "size": size,
-                "concurrency": level,
-                "metric": key,
-                "op": op,
-                "limit": limit,
-                "value": value,
-                "met": met,
-            }
-        )
+        verdicts.append(_verdict(index.get((size, level)), target, size, level, key, limit, op))
 
+    _latency_targets(check, opts)
+    for size in opts.sizes:
+        for level in opts.concurrency:
+            check(
+                "pdproc TTFT p50 < vllm-router at every concurrency",
+                size,
+                level,
+                "pdproc_minus_router_ttft_p50_ms",
+                0,
+                "<",
+            )
+    verdicts += _long_prompt_targets(versus or [], opts)
+    return verdicts
+
+
+def _verdict(
+    cell: dict[str, Any] | None,
+    target: str,
+    size: int,
+    level: int,
+    key: str,
+    limit: float,
+    op: str,
+) -> dict[str, Any]:
+    value = cell[key]["median"] if cell and cell.get(key) else None
+    met = None
+    if value is not None:
+        met = {"<=": value <= limit, "<": value < limit, ">=": value >= limit}[op]
+    return {
+        "target": target,
+        "size": size,
+        "concurrency": level,
+        "metric": key,
+        "op": op,
+        "limit": limit,
+        "value": value,
+        "met": met,
+    }
+
+
+def _latency_targets(check: Any, opts: Options) -> None:
+    """Issue 12's: added TTFT at 1 KiB and 1 MiB, throughput against Envoy alone."""
     variants = ("ms", "net_pd_floor_ms", "net_prefill_ms")
     if KiB in opts.sizes and 16 in opts.concurrency:
         for v in variants:
@@ -278,17 +309,29 @@ def judge(derived: list[dict[str, Any]], opts: Options) -> list[dict[str, Any]]:
                 0.8,
                 ">=",
             )
-    for size in opts.sizes:
-        for level in opts.concurrency:
-            check(
-                "pdproc TTFT p50 < vllm-router at every concurrency",
-                size,
-                level,
-                "pdproc_minus_router_ttft_p50_ms",
-                0,
-                "<",
+
+
+def _long_prompt_targets(versus: list[dict[str, Any]], opts: Options) -> list[dict[str, Any]]:
+    """Issue 22's, from same-round pairs: at 1 MiB and more, pdproc's CPU per request at most
+    the floor's, its throughput at saturation and TTFT p50 at c=16 at least as good; at
+    4 MiB and more, TTFT p50 at c=1 at most vllm-router's."""
+    index = {(v["a"], v["b"], v["size"], v["concurrency"]): v for v in versus}
+    top = max(opts.concurrency)
+    out = []
+    for size in (s for s in opts.sizes if s >= MiB):
+        rules = [
+            ("floor", top, "proxy_cpu_ratio", 1.0, "<=", "CPU per request <= floor's"),
+            ("floor", top, "rps_ratio", 1.0, ">=", "req/s at saturation >= floor's"),
+            ("floor", 16, "ttft_p50_diff_ms", 0.0, "<=", "TTFT p50 at c=16 <= floor's"),
+        ]
+        if size >= 4 * MiB:
+            rules.append(
+                ("vllm-router", 1, "ttft_p50_diff_ms", 0.0, "<=", "TTFT p50 c=1 <= router")
             )
-    return verdicts
+        for other, level, key, limit, op, what in rules:
+            cell = index.get(("pdproc", other, size, level))
+            out.append(_verdict(cell, f"issue 22: {what}", size, level, key, limit, op))
+    return out
 
 
 # -------------------------------------------------------------------------- markdown

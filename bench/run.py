@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 from pdproc_sim import devstack
 
-from bench import chart, profile, report
+from bench import baseline, chart, profile, report
 from bench.stack import (
     CONFIGS,
     DESCRIPTIONS,
@@ -100,6 +100,9 @@ class Options:
     smoke: bool
     command: str
     upload_mbps: float = 0.0
+    baseline_pdproc: Path | None = None
+    # Cells whose bodies in flight (size x concurrency) pass this are left out (0: none).
+    max_cell_bytes: int = 0
 
     def requests_for(self, concurrency: int) -> int:
         # Every worker sends several, so p99 is not one request's luck; few enough that five
@@ -118,6 +121,9 @@ class Options:
             workers=self.workers,
             pdproc_args=self.pdproc_args,
             envoy_options=self.envoy_options,
+            # The largest body plus room for what the processors splice in.
+            max_body_bytes=max(16 * MiB, max(self.sizes) + MiB),
+            baseline_pdproc=self.baseline_pdproc,
         )
 
 
@@ -276,6 +282,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="run the processes in DIR and keep their logs there (default: a temporary folder)",
     )
+    parser.add_argument(
+        "--baseline-pdproc",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="another pdproc to run as pdproc-baseline, beside this one in the same rounds: "
+        "its bin/pdproc, its virtualenv or a wheel (python -m bench.baseline builds one at a "
+        "git revision)",
+    )
+    parser.add_argument(
+        "--max-cell-bytes",
+        type=parse_size,
+        default=0,
+        metavar="SIZE",
+        help="leave out cells whose body bytes in flight (size x concurrency) pass SIZE, e.g. "
+        "512m: 16 MiB at c=64 holds 1 GiB in the simulator, which a 24 GiB box cannot keep",
+    )
     parser.add_argument("--profile-size", type=parse_size, default=KiB, help="default 1k")
     parser.add_argument("--profile-concurrency", type=_positive_int, default=16)
     return parser
@@ -300,6 +323,8 @@ def options_from(args: argparse.Namespace, argv: Sequence[str]) -> Options:
         "pdproc_args": tuple(args.pdproc_arg),
         "envoy_options": dict(args.envoy_option),
         "upload_mbps": args.upload_mbps,
+        "baseline_pdproc": args.baseline_pdproc,
+        "max_cell_bytes": args.max_cell_bytes,
         "command": shlex.join(["python", "-m", "bench.run", *argv]),
     }
     if args.smoke:
@@ -369,19 +394,28 @@ class Snapshot:
     ext_proc: dict[str, int]  # Envoy's ext_proc counters (messages to and from the processor)
 
 
-def _sim_stats(target: Target) -> dict[str, Any]:
+def _get(url: str) -> tuple[int, bytes]:
+    """A GET of a stats page; a part too busy to answer in time (16 MiB prompts at c=64 keep
+    the simulator busy) costs that run its figure, never the whole bench."""
     try:
-        status, body = devstack.http_get(target.sim.decode.url() + "/sim/stats")
-    except OSError:  # a real engine has no /sim/stats, and a loaded one may not answer at all
-        return {}
+        return devstack.http_get(url, timeout_s=_STATS_TIMEOUT_S)
+    except OSError:
+        return 0, b""
+
+
+_STATS_TIMEOUT_S = 20.0
+
+
+def _sim_stats(target: Target) -> dict[str, Any]:
+    status, body = _get(target.sim.decode.url() + "/sim/stats")
     return orjson.loads(body) if status == 200 else {}
 
 
 def _processing(target: Target) -> tuple[float, float] | None:
     if target.metrics is None:
         return None
-    page = devstack.http_get(target.metrics.url() + "/metrics")[1].decode()
-    return scrape_processing(page)
+    status, page = _get(target.metrics.url() + "/metrics")
+    return scrape_processing(page.decode()) if status == 200 else None
 
 
 def scrape_processing(metrics_text: str) -> tuple[float, float]:
@@ -398,7 +432,7 @@ def scrape_processing(metrics_text: str) -> tuple[float, float]:
 def _ext_proc(target: Target) -> dict[str, int]:
     if target.envoy_admin is None:
         return {}
-    status, body = devstack.http_get(target.envoy_admin.url() + "/stats?filter=ext_proc")
+    status, body = _get(target.envoy_admin.url() + "/stats?filter=ext_proc")
     out = {}
     for line in body.decode().splitlines() if status == 200 else ():
         name, _, value = line.partition(": ")
@@ -602,6 +636,8 @@ def meta(opts: Options) -> dict[str, Any]:
         "pdproc_args": list(opts.pdproc_args),
         "envoy_options": opts.envoy_options,
         "upload_mbps": opts.upload_mbps,
+        "baseline_pdproc": str(opts.baseline_pdproc) if opts.baseline_pdproc else None,
+        "max_cell_bytes": opts.max_cell_bytes,
         "cpus": os.cpu_count(),
         "cpu_model": cpu_model,
         "loadavg_start": loadavg(),
@@ -667,6 +703,8 @@ def run(opts: Options, workdir: Path) -> dict[str, Any]:
             order = names[shift:] + names[:shift]
             for size in opts.sizes:
                 for level in opts.concurrency:
+                    if opts.max_cell_bytes and size * level > opts.max_cell_bytes:
+                        continue
                     for name in order:
                         if time.monotonic() > deadline:
                             results["meta"]["truncated"] = True
@@ -703,6 +741,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             workdir.mkdir(parents=True, exist_ok=True)
         else:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pdproc-bench-")))
+        if opts.baseline_pdproc is not None:
+            opts = replace(opts, baseline_pdproc=baseline.resolve(opts.baseline_pdproc, workdir))
         try:
             results = run(opts, workdir)
         except BaseException:

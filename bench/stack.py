@@ -32,6 +32,7 @@ from pdproc_sim import devstack
 from pdproc_sim.devstack import Process, SimPair
 
 from pdproc.targets import PREFILL_HEADER, HostPort, parse_host_port
+from pdproc.workers import usable_cpus
 
 BENCH_DIR = Path(__file__).resolve().parent
 FLOOR_SCRIPT = BENCH_DIR / "floor.py"
@@ -42,6 +43,8 @@ CONFIGS = (
     "envoy",
     "floor",
     "pdproc",
+    "pdproc-baseline",
+    "pdproc-auto-workers",
     "pdproc-1msg",
     "vllm-router",
     "pdproc-nixlv2",
@@ -62,6 +65,8 @@ DESCRIPTIONS = {
     "envoy": "client -> Envoy alone (envoy-config --no-processor) -> decode (no P/D)",
     "floor": "client -> Envoy + bench/floor.py (smallest correct Mooncake ext_proc) -> decode",
     "pdproc": "client -> Envoy + pdproc (P/D, x-prefiller-host-port) -> decode; pdproc -> prefill",
+    "pdproc-baseline": "as pdproc, with another pdproc installation (--baseline-pdproc)",
+    "pdproc-auto-workers": "as pdproc, with pdproc's default --workers (one per usable CPU)",
     "pdproc-1msg": "as pdproc, Envoy in single-message mode (envoy-config --single-message)",
     "vllm-router": "client -> vllm-router --vllm-pd-disaggregation --kv-connector mooncake",
     "pdproc-nixlv2": "as pdproc with --kv-connector nixlv2, on a NIXL (nixlv2) simulator",
@@ -73,7 +78,18 @@ DESCRIPTIONS = {
 PD_CONFIGS = frozenset(CONFIGS) - {"direct", "envoy"}
 ROLES = ("envoy", "processor", "router", "sim")
 PROXY_ROLES = ("envoy", "processor", "router")
-PDPROC_CONFIGS = frozenset({"pdproc", "pdproc-1msg", "pdproc-nixlv2", "pdproc-sglang"})
+PDPROC_CONFIGS = frozenset(
+    {
+        "pdproc",
+        "pdproc-baseline",
+        "pdproc-auto-workers",
+        "pdproc-1msg",
+        "pdproc-nixlv2",
+        "pdproc-sglang",
+    }
+)
+# The processor part behind each configuration's Envoy.
+BEHIND = {"pdproc-1msg": "pdproc"}
 
 
 class Unavailable(Exception):
@@ -88,6 +104,10 @@ class StackOptions:
     workers: int
     pdproc_args: tuple[str, ...]
     envoy_options: dict[str, Any]
+    # The largest request body every part accepts (Envoys, pdprocs): the bench's sizes decide.
+    max_body_bytes: int = 16 * 1024 * 1024
+    # `pdproc` of another installation (a virtualenv's bin/pdproc), run as pdproc-baseline.
+    baseline_pdproc: Path | None = None
 
 
 @dataclass
@@ -140,7 +160,7 @@ def router_binary() -> str | None:
     return str(beside) if beside.exists() else shutil.which("vllm-router")
 
 
-def _why_not(name: str) -> str | None:
+def _why_not(name: str, opts: StackOptions) -> str | None:
     """Why a configuration cannot run here, found without starting anything."""
     connector = CONNECTOR.get(name)
     if name in PDPROC_CONFIGS and connector is not None and not devstack.pdproc_speaks(connector):
@@ -148,6 +168,8 @@ def _why_not(name: str) -> str | None:
             f"pdproc serve does not offer --kv-connector {connector} yet "
             "(not listed by `pdproc serve --help`)"
         )
+    if name == "pdproc-baseline" and opts.baseline_pdproc is None:
+        return "no --baseline-pdproc given"
     if name.startswith("vllm-router") and router_binary() is None:
         return "vllm-router not installed (pip install -r bench/requirements.txt)"
     if name == "sglang-router" and importlib.util.find_spec("sglang_router") is None:
@@ -225,14 +247,47 @@ def start_pdproc(
     if connector == "sglang" and devstack.pdproc_has_flag("--sglang-bootstrap-port"):
         args += ["--sglang-bootstrap-port", str(sim.bootstrap.port)]
     args += ["--log-level", opts.pdproc_log_level]
-    args += ["--workers", str(opts.workers)]
+    workers = usable_cpus() if name == "pdproc-auto-workers" else opts.workers
+    args += ["--workers", str(workers)]
+    args += _body_limits(opts)
+    if name == "pdproc-baseline":
+        assert opts.baseline_pdproc is not None
+        return start_pdproc_binary(workdir, name, opts.baseline_pdproc, [*args, *opts.pdproc_args])
     proc, listen, metrics = devstack.start_pdproc(workdir, [*args, *opts.pdproc_args], name=name)
+    return Part(proc, str(listen), metrics)
+
+
+def _body_limits(opts: StackOptions) -> list[str]:
+    """Room for the bench's largest body (and for all of them in flight at once: the budget
+    is not what a size comparison measures)."""
+    limit = opts.max_body_bytes
+    return ["--max-body-bytes", str(limit), "--max-inflight-bytes", str(max(limit * 128, 1 << 30))]
+
+
+def start_pdproc_binary(workdir: Path, name: str, binary: Path, args: Sequence[str]) -> Part:
+    """`pdproc serve` of another installation, on free ports, once it reports ready."""
+    listen = HostPort("127.0.0.1", devstack.free_port())
+    metrics = HostPort("127.0.0.1", devstack.free_port())
+    argv = [str(binary), "serve", "--listen", str(listen), "--metrics-listen", str(metrics)]
+    proc = devstack.spawn(name, [*argv, *args], workdir)
+    try:
+        devstack.wait_for(
+            lambda: devstack.http_get(metrics.url() + "/readyz")[0] == 200, name, proc=proc
+        )
+    except (RuntimeError, TimeoutError) as exc:
+        proc.stop()
+        raise Unavailable(f"{name} did not start: {exc}: {proc.tail(5)}") from None
     return Part(proc, str(listen), metrics)
 
 
 def start_envoy_alone(workdir: Path, sim: SimPair, opts: StackOptions) -> Part:
     envoy = devstack.start_envoy(
-        workdir, [sim.decode], [], with_processor=False, concurrency=opts.envoy_concurrency
+        workdir,
+        [sim.decode],
+        [],
+        with_processor=False,
+        concurrency=opts.envoy_concurrency,
+        extra_options={"max_body_bytes": opts.max_body_bytes},
     )
     return Part(envoy.process, envoy.url, admin=envoy.admin)
 
@@ -259,7 +314,7 @@ def versions() -> dict[str, str]:
 @contextlib.contextmanager
 def bench_stack(configs: Sequence[str], opts: StackOptions, workdir: Path) -> Iterator[Bench]:
     """Start what `configs` need (side by side where they are independent); stop it all."""
-    skipped = {name: why for name in configs if (why := _why_not(name)) is not None}
+    skipped = {name: why for name in configs if (why := _why_not(name, opts)) is not None}
     wanted = [name for name in configs if name not in skipped]
     processes: list[Process] = []
     try:
@@ -276,137 +331,159 @@ def _start(
     workdir: Path,
     processes: list[Process],
 ) -> Bench:
-    def keep(proc: Process) -> Process:
-        processes.append(proc)
-        return proc
+    sims = _start_sims(wanted, opts, workdir, processes)
+    # Processors and routers first, then the Envoys in front of the processors.
+    parts: dict[str, Part] = {}
+    for key, result in _parallel(_part_jobs(wanted, sims, opts, workdir)).items():
+        if isinstance(result, Part):
+            processes.append(result.process)
+            parts[key] = result
+        elif isinstance(result, Unavailable):
+            skipped[key] = str(result)
+        else:
+            raise result
+    envoys: dict[str, Part] = {}
+    for name, result in _parallel(_envoy_jobs(wanted, parts, sims, opts, workdir)).items():
+        if isinstance(result, BaseException):
+            raise result
+        processes.append(result.process)
+        envoys[name] = result
+    targets = {}
+    for name in wanted:
+        target = _target(name, _sim_of(sims, name), parts, envoys)
+        if target is not None:
+            targets[name] = target
+    return Bench(targets, skipped, versions())
 
-    def keep_part(part: Part) -> Part:
-        keep(part.process)
-        return part
 
-    connectors = sorted({CONNECTOR.get(name, "mooncake") for name in wanted})
+def _sim_of(sims: dict[str, SimPair], name: str) -> SimPair:
+    return sims[CONNECTOR.get(name, "mooncake")]
+
+
+def _start_sims(
+    wanted: list[str], opts: StackOptions, workdir: Path, processes: list[Process]
+) -> dict[str, SimPair]:
+    """One simulated pair per KV connector the configurations speak."""
 
     def sim_job(connector: str) -> Callable[[], SimPair]:
         def start() -> SimPair:
             where = workdir / connector
             where.mkdir(exist_ok=True)
             sim = devstack.start_sim(where, [*opts.sim_args, "--kv-connector", connector])
-            keep(sim.process)
+            processes.append(sim.process)
             return sim
 
         return start
 
-    started = _parallel({c: sim_job(c) for c in connectors})
+    connectors = sorted({CONNECTOR.get(name, "mooncake") for name in wanted})
     sims: dict[str, SimPair] = {}
-    for connector, sim in started.items():
+    for connector, sim in _parallel({c: sim_job(c) for c in connectors}).items():
         if isinstance(sim, BaseException):
             raise sim
         sims[connector] = sim
+    return sims
 
-    def sim_of(name: str) -> SimPair:
-        return sims[CONNECTOR.get(name, "mooncake")]
 
-    # Processors and routers first, then the Envoys in front of the processors.
+def _part_jobs(
+    wanted: list[str], sims: dict[str, SimPair], opts: StackOptions, workdir: Path
+) -> dict[str, Callable[[], Part]]:
+    """Start-up jobs of the processors (pdprocs, the floor), routers and Envoy alone."""
+    needed = {BEHIND.get(name, name) for name in wanted}
     jobs: dict[str, Callable[[], Part]] = {}
-    pdprocs = {"pdproc-nixlv2": "nixlv2", "pdproc-sglang": "sglang"}
-    if {"pdproc", "pdproc-1msg"} & set(wanted):
-        jobs["pdproc"] = lambda: start_pdproc(workdir, "pdproc", sims["mooncake"], "mooncake", opts)
-    for name, connector in pdprocs.items():
-        if name in wanted:
-            jobs[name] = functools.partial(
-                start_pdproc, workdir, name, sims[connector], connector, opts
-            )
-    if "floor" in wanted:
+    for name in sorted(needed & PDPROC_CONFIGS):
+        connector = CONNECTOR.get(name, "mooncake")
+        jobs[name] = functools.partial(
+            start_pdproc, workdir, name, sims[connector], connector, opts
+        )
+    if "floor" in needed:
         jobs["floor"] = lambda: start_floor(workdir, sims["mooncake"], opts.workers)
-    if "vllm-router" in wanted:
+    if "vllm-router" in needed:
         jobs["vllm-router"] = lambda: start_vllm_router(
             workdir, "vllm-router", sims["mooncake"], "mooncake"
         )
-    if "vllm-router-nixl" in wanted:
+    if "vllm-router-nixl" in needed:
         jobs["vllm-router-nixl"] = lambda: start_vllm_router(
             workdir, "vllm-router-nixl", sims["nixlv2"], "nixl"
         )
-    if "sglang-router" in wanted:
+    if "sglang-router" in needed:
         jobs["sglang-router"] = lambda: start_sglang_router(workdir, sims["sglang"])
-    if "envoy" in wanted:
+    if "envoy" in needed:
         jobs["envoy"] = lambda: start_envoy_alone(workdir, sims["mooncake"], opts)
-    parts: dict[str, Part] = {}
-    for key, result in _parallel(jobs).items():
-        if isinstance(result, Part):
-            parts[key] = keep_part(result)
-        elif isinstance(result, Unavailable):
-            skipped[key] = str(result)
-        else:
-            raise result
+    return jobs
+
+
+def _envoy_jobs(
+    wanted: list[str],
+    parts: dict[str, Part],
+    sims: dict[str, SimPair],
+    opts: StackOptions,
+    workdir: Path,
+) -> dict[str, Callable[[], Part]]:
+    """Start-up jobs of the Envoys in front of the processors that started."""
 
     def envoy_job(name: str, processor: str, options: dict[str, Any]) -> Callable[[], Part]:
         def start() -> Part:
             envoy = devstack.start_envoy(
                 workdir,
-                [sim_of(name).decode],
+                [_sim_of(sims, name).decode],
                 [parse_host_port(processor)],
                 concurrency=opts.envoy_concurrency,
                 extra_options=options,
             )
-            keep(envoy.process)
             return Part(envoy.process, envoy.url, admin=envoy.admin)
 
         return start
 
-    envoy_jobs: dict[str, Callable[[], Part]] = {}
+    jobs: dict[str, Callable[[], Part]] = {}
     for name in wanted:
-        # The processor part behind this configuration's Envoy.
-        behind = "pdproc" if name == "pdproc-1msg" else name
+        behind = BEHIND.get(name, name)
         if behind not in parts or name not in ("floor", *PDPROC_CONFIGS):
             continue
-        if name == "floor":
-            # Always the default envoy-config output: the floor is a fixed reference.
-            options: dict[str, Any] = {}
-        else:
-            options = {**opts.envoy_options}
-            if name == "pdproc-1msg":
-                options["single_message"] = True
-        envoy_jobs[name] = envoy_job(name, parts[behind].address, options)
-    envoys: dict[str, Part] = {}
-    for name, result in _parallel(envoy_jobs).items():
-        if isinstance(result, BaseException):
-            raise result
-        envoys[name] = result
+        # The floor's Envoy is always the default envoy-config output (a fixed reference),
+        # with room for the bench's largest body.
+        options: dict[str, Any] = {"max_body_bytes": opts.max_body_bytes}
+        if name != "floor":
+            options.update(opts.envoy_options)
+        if name == "pdproc-1msg":
+            options["single_message"] = True
+        jobs[name] = envoy_job(name, parts[behind].address, options)
+    return jobs
 
-    targets: dict[str, Target] = {}
-    for name in wanted:
-        sim = sim_of(name)
-        base = {"sim": sim.process.popen.pid}
+
+def _target(
+    name: str, sim: SimPair, parts: dict[str, Part], envoys: dict[str, Part]
+) -> Target | None:
+    """How the load generator reaches a configuration, and whose CPU it counts."""
+    base = {"sim": sim.process.popen.pid}
+    pd = name in PD_CONFIGS
+    if name == "direct":
+        return Target(name, sim.decode.url(), [], base, sim, pd)
+    if name == "direct-pd":
+        pd_args = ["--pd-prefill", sim.prefill.url(), "--pd-bootstrap", sim.bootstrap.url()]
+        return Target(name, sim.decode.url(), pd_args, base, sim, pd)
+    if name == "envoy" and "envoy" in parts:
+        pids = {"envoy": parts["envoy"].process.popen.pid, **base}
+        return Target(name, parts["envoy"].address, [], pids, sim, pd)
+    if name in envoys:
+        processor = parts[BEHIND.get(name, name)]
+        envoy = envoys[name]
+        pids = {"envoy": envoy.process.popen.pid, "processor": processor.process.popen.pid}
         prefill_header = ["--header", f"{PREFILL_HEADER}:{sim.prefill}"]
-        pd = name in PD_CONFIGS
-        if name == "direct":
-            targets[name] = Target(name, sim.decode.url(), [], base, sim, pd)
-        elif name == "direct-pd":
-            pd_args = ["--pd-prefill", sim.prefill.url(), "--pd-bootstrap", sim.bootstrap.url()]
-            targets[name] = Target(name, sim.decode.url(), pd_args, base, sim, pd)
-        elif name == "envoy":
-            envoy = parts["envoy"]
-            pids = {"envoy": envoy.process.popen.pid, **base}
-            targets[name] = Target(name, envoy.address, [], pids, sim, pd)
-        elif name in envoys:
-            processor = parts["pdproc" if name == "pdproc-1msg" else name]
-            envoy = envoys[name]
-            pids = {"envoy": envoy.process.popen.pid, "processor": processor.process.popen.pid}
-            targets[name] = Target(
-                name,
-                envoy.address,
-                prefill_header,
-                {**pids, **base},
-                sim,
-                pd,
-                processor.metrics,
-                envoy.admin,
-            )
-        elif name in parts:  # a router
-            router = parts[name]
-            pids = {"router": router.process.popen.pid, **base}
-            targets[name] = Target(name, router.address, [], pids, sim, pd)
-    return Bench(targets, skipped, versions())
+        return Target(
+            name,
+            envoy.address,
+            prefill_header,
+            {**pids, **base},
+            sim,
+            pd,
+            processor.metrics,
+            envoy.admin,
+        )
+    if name in parts:  # a router
+        router = parts[name]
+        pids = {"router": router.process.popen.pid, **base}
+        return Target(name, router.address, [], pids, sim, pd)
+    return None
 
 
 # ---------------------------------------------------------------------- CPU accounting

@@ -36,6 +36,10 @@ class ByteBudget:
         self._set(self.held + size)
         return True
 
+    def add(self, size: int) -> None:
+        """Hold `size` more bytes whatever the level (bytes admitted already)."""
+        self._set(self.held + size)
+
     def give_back(self, size: int) -> None:
         self._set(self.held - size)
 
@@ -71,6 +75,13 @@ class Holding:
             return False
         self.bytes += size
         return True
+
+    def keep(self, size: int) -> None:
+        """Count `size` more bytes, unrefused: bytes already admitted that the request goes
+        on holding (a sequential connector keeps the client's body until the prefill has
+        answered)."""
+        self._budget.add(size)
+        self.bytes += size
 
     def release(self) -> None:
         if self.bytes:

@@ -15,7 +15,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -113,9 +113,24 @@ class PrefillOutcome:
         return self.outcome is _OK
 
 
+class _SentOnce(aiohttp.BytesPayload):
+    """A prefill body that lets go of its bytes once written: a long prompt is not held for
+    the rest of the prefill (POST is never re-sent by aiohttp, so nothing writes it twice)."""
+
+    async def write_with_length(
+        self, writer: aiohttp.abc.AbstractStreamWriter, content_length: int | None
+    ) -> None:
+        try:
+            await super().write_with_length(writer, content_length)
+        finally:
+            self._value = b""
+
+
 @dataclass(slots=True)
 class PrefillJob:
     target: HostPort
+    # Without its bodies: the prefill's is sent (then dropped) by the task, the decode's went
+    # to Envoy.
     legs: Legs
     request_id: str
     path: str
@@ -188,9 +203,10 @@ class PrefillLauncher:
             for key, value in legs.facts.items():
                 span.set_attribute(f"pdproc.{key}", value)
             self._tracing.inject(span, headers)
+        body = _SentOnce(legs.prefill_body, content_type="application/json")
         job = PrefillJob(
             target,
-            legs,
+            replace(legs, prefill_body=b"", decode_body=None),
             client_headers.get("x-request-id", ""),
             path,
             time.perf_counter(),
@@ -204,7 +220,9 @@ class PrefillLauncher:
             self._per_rank.setdefault(target, Counter())[legs.rank] += 1
         self._metrics.prefill_started(target)
         job.outcome.add_done_callback(lambda _: self._finished(job))
-        task = loop.create_task(self._exchange(job, headers), name=f"prefill {job.request_id}")
+        task = loop.create_task(
+            self._exchange(job, headers, body), name=f"prefill {job.request_id}"
+        )
         job.task = task
         self._tasks.add(task)
         task.add_done_callback(lambda done: self._ended(job, done))
@@ -220,7 +238,9 @@ class PrefillLauncher:
                 PrefillOutcome(PrefillResult.CANCELLED, duration, error="prefill cancelled")
             )
 
-    async def _exchange(self, job: PrefillJob, headers: dict[str, str]) -> None:
+    async def _exchange(
+        self, job: PrefillJob, headers: dict[str, str], body: aiohttp.BytesPayload
+    ) -> None:
         def settle(outcome: PrefillResult, **kw: Any) -> None:
             if not job.outcome.done():
                 duration = time.perf_counter() - job.started
@@ -230,7 +250,7 @@ class PrefillLauncher:
         try:
             async with asyncio.timeout(self._timeout_s) as deadline:
                 response = await self._client.post(
-                    url, data=job.legs.prefill_body, headers=headers, allow_redirects=False
+                    url, data=body, headers=headers, allow_redirects=False
                 )
                 async with response:
                     status = response.status

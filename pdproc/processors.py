@@ -488,8 +488,17 @@ class SequentialPair(Disaggregated):
     ) -> Answer:
         legs = self._connector.legs(request, self._target, engines, busy)
         job = self._launch(legs, request, keep_answer=True)
-        # The body's answer waits for the prefill (Envoy is told to wait if it must).
-        return self._deferred(job, self._after_prefill(job, request))
+        # The body's answer waits for the prefill (Envoy is told to wait if it must); the
+        # client's body, kept for it till then, stays counted (released at close).
+        self._budget.keep(len(request.raw))
+        return self._deferred(job, self._released_after(self._after_prefill(job, request)))
+
+    async def _released_after(self, answer: Awaitable[msg.Response]) -> msg.Response:
+        """The answer; the body bytes this request held are released once it is built."""
+        try:
+            return await answer
+        finally:
+            self._budget.release()
 
     async def _after_prefill(self, job: PrefillJob, request: ClientRequest) -> msg.Response:
         """The decode leg once the prefill has answered."""

@@ -1,97 +1,135 @@
-"""The client's JSON body: parsed once, checked, and rewritten for either leg.
+"""The client's JSON body: decoded once, checked, and rewritten for either leg.
 
 Pure functions, no I/O. The body is client input: anything it can hold (deep nesting,
-numbers no double can carry, a `kv_transfer_params` of its own) is either carried exactly
-or refused with a BodyError whose message is fit for a 400.
+numbers no engine can hold, a `kv_transfer_params` of its own) is refused with a BodyError
+whose message is fit for a 400.
+
+A prompt may be many megabytes, so the body is decoded only into its top-level members, each
+kept as the client's own bytes (`msgspec.Raw`, a slice of the body, nothing copied). Both
+legs are built from those bytes: the decode leg is the client's body with the gateway's
+fields spliced in before its closing brace, and the prefill leg is re-encoded from the
+members, where the members pdproc overrides are replaced and every other one is copied as
+the client spelled it. So both legs carry every number and string exactly, and a duplicate
+key (which the engines, like msgspec, read as its last value) reaches the prefill once. The
+members that are not plain ASCII strings are decoded in full once, in C, to check them
+(nesting, UTF-8, number range); the decoded values are dropped at once.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
-import orjson
+import msgspec
 
 from pdproc.gateway_fields import GATEWAY_FIELDS
 from pdproc.gateway_fields import KV_PARAMS as KV_PARAMS
+
+Members: TypeAlias = dict[str, msgspec.Raw]
+"""A JSON object's members: each value as the client's bytes (a slice of its body)."""
 
 
 class BodyError(ValueError):
     """The client's body cannot be carried to both legs as it is."""
 
 
-# orjson keeps integers in [-2**63, 2**64) exact and turns larger ones into floats, which
-# the prefill leg would then carry as floats while the decode keeps the client's digits. So
-# a float that large may be such an integer: only then does the body take the exact (slower)
-# check. (orjson itself refuses floats that overflow a double.)
+# Containers nested deeper than this (the body itself is level 1) are refused: what pdproc
+# forwarded until it stopped re-serialising bodies (orjson's limit), far above honest use,
+# and below where Python parsers in the engines give up.
+MAX_NESTING = 254
+# The engines hold integers in 64 bits (vLLM's seed is an int64): larger ones are refused
+# here as before, one rule for both legs.
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
-_SUSPECT = float(2**63)
+_MEMBERS = msgspec.json.Decoder(Members)
+_ENCODER = msgspec.json.Encoder()
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """The client's request as a JSON object, or BodyError with a message for the client."""
+def parse_body(raw: bytes) -> Members:
+    """The client's request as a JSON object's members, or BodyError with a message for the
+    client."""
     try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
+        members = _MEMBERS.decode(raw)
+    except msgspec.ValidationError:
+        raise BodyError(f"request body must be a JSON object, not {_json_kind(raw)}") from None
+    except msgspec.DecodeError as exc:
         raise BodyError(f"invalid JSON body: {exc}") from None
-    if not isinstance(data, dict):
-        raise BodyError(f"request body must be a JSON object, not {type(data).__name__}")
-    for name in GATEWAY_FIELDS:
-        if name in data:
-            # Only the gateway may point a decode pod at a KV source.
-            raise BodyError(f"{name} is set by the gateway, not by clients")
-    if _has_huge_float(data):
-        _check_numbers(raw)
-    return data
-
-
-def _has_huge_float(data: dict[str, Any]) -> bool:
-    """Whether any number in the body is a float of magnitude 2**63 or more (iterative: the
-    client controls the nesting; a prompt's text costs nothing, only JSON values are seen)."""
-    pending: list[dict[str, Any] | list[Any]] = [data]
-    while pending:
-        container = pending.pop()
-        for value in container.values() if isinstance(container, dict) else container:
-            kind = type(value)
-            if kind is float:
-                if not -_SUSPECT < value < _SUSPECT:
-                    return True
-            elif kind is dict or kind is list:
-                pending.append(value)
-    return False
-
-
-def _check_numbers(raw: bytes) -> None:
-    """Refuse numbers that orjson (the prefill leg) would not carry exactly."""
-
-    def exact_int(text: str) -> int:
-        value = int(text)
-        if not _INT_MIN <= value <= _INT_MAX:
-            raise BodyError(f"integer {text[:24]}... does not fit in 64 bits")
-        return value
-
-    try:
-        json.loads(raw, parse_int=exact_int)
     except RecursionError:
         raise BodyError("request body is nested too deeply") from None
-    except ValueError as exc:  # BodyError, or the stdlib's view of an orjson-valid body
-        if isinstance(exc, BodyError):
-            raise
+    for name in GATEWAY_FIELDS:
+        if name in members:
+            # Only the gateway may point a decode pod at a KV source.
+            raise BodyError(f"{name} is set by the gateway, not by clients")
+    # Strings skipped as Raw had their escapes and control characters checked, not their
+    # UTF-8: a body of plain ASCII (the usual one) needs no more.
+    ascii_only = raw.isascii()
+    for value in members.values():
+        if ascii_only and value_kind(value) == "string":
+            continue
+        _check_value(value)
+    return members
+
+
+def _json_kind(raw: bytes) -> str:
+    try:
+        value = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return "invalid JSON"
+    return {list: "list", str: "str", int: "int", float: "float", bool: "bool"}.get(
+        type(value), "null" if value is None else type(value).__name__
+    )
+
+
+def value_kind(value: msgspec.Raw) -> str:
+    """`object`, `array`, `string` or `scalar`, from a member's first byte (a Raw from a
+    decode starts at its value)."""
+    first = bytes(memoryview(value)[:1])
+    return {b"{": "object", b"[": "array", b'"': "string"}.get(first, "scalar")
+
+
+def _check_value(value: msgspec.Raw) -> None:
+    """Decode one member in full (msgspec, in C) and check what it holds; iterative: the
+    client controls the nesting."""
+    try:
+        decoded = msgspec.json.decode(value)
+    except msgspec.DecodeError as exc:
         raise BodyError(f"invalid JSON body: {exc}") from None
+    except RecursionError:
+        raise BodyError("request body is nested too deeply") from None
+    pending: list[tuple[Any, int]] = [(decoded, 2)]
+    while pending:
+        item, level = pending.pop()
+        kind = type(item)
+        if kind is int:
+            if not _INT_MIN <= item <= _INT_MAX:
+                raise BodyError(f"integer {str(item)[:24]}... does not fit in 64 bits")
+        elif kind is dict or kind is list:
+            if level > MAX_NESTING:
+                raise BodyError("request body is nested too deeply")
+            for child in item.values() if kind is dict else item:
+                if type(child) in _CHECKED:
+                    pending.append((child, level + 1))
+
+
+_CHECKED = frozenset({dict, list, int})
+
+
+def value_of(members: Mapping[str, Any], key: str) -> Any:
+    """A member's value as Python data (a Raw member is decoded; a test's plain dict is read
+    as it is)."""
+    value = members[key]
+    return msgspec.json.decode(value) if isinstance(value, msgspec.Raw) else value
 
 
 def dumps(data: Mapping[str, Any]) -> bytes:
-    """Serialise a body pdproc built; BodyError when the client's nesting is too deep."""
+    """Serialise a body pdproc built: Raw members are copied as the client's bytes."""
     try:
-        return orjson.dumps(data)
-    except TypeError as exc:  # orjson: "Recursion limit reached"
+        return _ENCODER.encode(data)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise BodyError(f"request body cannot be forwarded: {exc}") from None
 
 
 def members(fields: Mapping[str, Any]) -> bytes:
-    """Top-level fields as JSON object members: `"a":1,"b":2`, without braces; BodyError
-    when a value cannot be serialised (nested too deeply)."""
+    """Top-level fields as JSON object members: `"a":1,"b":2`, without braces."""
     return dumps(fields)[1:-1]
 
 
@@ -122,10 +160,11 @@ _JSON_BLANKS = b" \t\r\n"
 
 
 def _last_non_blank(raw: bytes, end: int) -> int:
-    """The end index of `raw[:end]` without trailing JSON whitespace."""
-    while end > 0 and raw[end - 1] in _JSON_BLANKS:
-        end -= 1
-    return end
+    """The end index of `raw[:end]` without trailing JSON whitespace (in C: a client may
+    send megabytes of it)."""
+    if end == 0 or raw[end - 1] not in _JSON_BLANKS:
+        return end
+    return len(raw[:end].rstrip(_JSON_BLANKS))
 
 
 def prime_single_token(path: str, target: dict[str, Any], original: Mapping[str, Any]) -> None:
@@ -135,7 +174,8 @@ def prime_single_token(path: str, target: dict[str, Any], original: Mapping[str,
     end (a stop string, EOS as the first token, a rejected request) silently drops it and
     the decode waits for KV that never comes. The llm-d rules come first (max_tokens=1,
     max_completion_tokens=1 only if the client had it, stream off, no stream_options); the
-    rest closes what llm-d leaves open.
+    rest closes what llm-d leaves open. Values pdproc leaves alone stay as they are (the
+    client's bytes, when `target` holds Raw members).
     """
     target["max_tokens"] = 1
     if "max_completion_tokens" in original:
@@ -151,11 +191,20 @@ def prime_single_token(path: str, target: dict[str, Any], original: Mapping[str,
     target["ignore_eos"] = True
     if path.endswith("/responses"):
         target["max_output_tokens"] = 1
-    sampling = target.get("sampling_params")
-    if path.endswith("/generate") and isinstance(sampling, dict):
+    sampling = _as_object(target.get("sampling_params"))
+    if path.endswith("/generate") and sampling is not None:
         primed = {**sampling, "max_tokens": 1, "ignore_eos": True}
         for field in ("min_tokens", "stop", "stop_token_ids"):
             primed.pop(field, None)
         if "n" in primed:
             primed["n"] = 1
         target["sampling_params"] = primed
+
+
+def _as_object(value: Any) -> dict[str, Any] | None:
+    """A member that is a JSON object, as a dict (its own members Raw when it is Raw)."""
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, msgspec.Raw) and value_kind(value) == "object":
+        return _MEMBERS.decode(value)
+    return None

@@ -95,7 +95,11 @@ class Stream:
                 # request silently not disaggregated): answer it, log it, count it.
                 log.exception("ext_proc message handling failed")
                 answer = self._internal_error()
+            # Neither waits here for the next message: a long prompt's body and its rewritten
+            # answer would stay alive until the decode answers (issue 22).
+            del message
             await self._deliver(answer)
+            del answer
 
     def _internal_error(self) -> msg.Response:
         return self._refuse(ErrorReply(ErrorKind.INTERNAL, "internal error in pdproc"))

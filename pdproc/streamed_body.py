@@ -65,8 +65,10 @@ class StreamedBody:
         return chunk[: max(self._hold_from - start, 0)]
 
     def whole(self) -> bytes:
-        """The client's body as it arrived (after the last chunk)."""
-        return b"".join(self._parts)
+        """The client's body as it arrived (after the last chunk), once: the chunks are let
+        go (a body that came in one chunk is that chunk, not a copy)."""
+        parts, self._parts = self._parts, []
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def tail(self, whole: bytes, insertion: bytes, *, empty_object: bool) -> bytes:
         """The held-back bytes, with `insertion` (JSON object members, no separator; may be

@@ -325,3 +325,15 @@ def test_streamed_chunks_and_tail_make_the_rewritten_body(
     assert orjson.loads(body) == {**original, **fields}
     if not fields:
         assert body == raw
+
+
+def test_the_whole_body_is_handed_over_once_and_the_chunks_let_go() -> None:
+    raw = b'{"model":"m","prompt":"' + b"x" * 4096 + b'"}'
+    one = StreamedBody(len(raw))
+    assert one.feed(raw, True) is None
+    assert one.whole() is raw  # one chunk: that chunk, no copy
+    many = StreamedBody(len(raw))
+    for start in range(0, len(raw), 1000):
+        many.feed(raw[start : start + 1000], start + 1000 >= len(raw))
+    assert many.whole() == raw
+    assert many.whole() == b""  # nothing held any more
