@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import http.client
 import os
 import shutil
 import signal
@@ -106,7 +107,8 @@ def wait_for(check: Any, what: str, timeout_s: float = 30.0, proc: Process | Non
     while time.monotonic() < deadline:
         if proc is not None and proc.popen.poll() is not None:
             raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}): {proc.tail()}")
-        with contextlib.suppress(OSError):
+        # A server still starting may reset the connection or answer half a status line.
+        with contextlib.suppress(OSError, http.client.HTTPException):
             if check():
                 return
         time.sleep(0.05)
