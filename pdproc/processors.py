@@ -310,8 +310,9 @@ class Disaggregated:
         self._job: PrefillJob | None = None
         self._response_seen = False
         self._busy_s = 0.0
-        # Body bytes a streamed request holds against --max-inflight-bytes until its end:
-        # those that arrived, chunk by chunk (pdproc.budget; only ConcurrentPair streams).
+        # Body bytes the request goes on holding against --max-inflight-bytes after its body
+        # message was answered (pdproc.budget): a streamed body's chunks as they arrive, or
+        # a sequential connector's body until its decode leg is built.
         self._budget = deps.budget.holding()
         if context.span is not None:
             context.span.set_attribute(ATTR_TARGET, str(target))

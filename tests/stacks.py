@@ -4,6 +4,8 @@ received, and wait until it has answered."""
 
 from __future__ import annotations
 
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from tests.waiting import eventually
@@ -44,3 +46,34 @@ def served(
         answered, timeout_s, every_s=0.02, what=f"{role} answering {count} request(s)"
     )
     return result
+
+
+class Canary:
+    """A loopback HTTP server that records every request: the address client-chosen fields
+    point a decode pod at. Nothing may ever reach it."""
+
+    def __init__(self) -> None:
+        self.hits: list[str] = []
+        hits = self.hits
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                hits.append(f"{self.command} {self.path}")
+                self.send_response(404)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            do_POST = do_PUT = do_GET
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = int(self.server.server_address[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.test_manifests import venv
+from tests.deploy.test_monitoring import render_monitoring
 
 REPO = Path(__file__).resolve().parents[2]
 NS = "inference"
@@ -447,17 +447,7 @@ def promtool() -> str:
 
 
 def rendered_rules() -> list[dict[str, Any]]:
-    kubectl = venv() / "bin" / "kubectl"
-    if not kubectl.is_file():
-        subprocess.run(["bash", str(REPO / "scripts" / "validate-deploy.sh")], check=False)
-    out = subprocess.run(
-        [str(kubectl), "kustomize", str(REPO / "deploy" / "monitoring")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    docs = [d for d in yaml.safe_load_all(out) if d]
-    return [d for d in docs if d["kind"] == "PrometheusRule"]
+    return [d for d in render_monitoring() if d["kind"] == "PrometheusRule"]
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,11 @@ def metric_families(exposition: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def rendered() -> list[dict[str, Any]]:
+    return render_monitoring()
+
+
+def render_monitoring() -> list[dict[str, Any]]:
+    """deploy/monitoring as kustomize renders it (the validator's pinned kubectl)."""
     kubectl = venv() / "bin" / "kubectl"
     if not kubectl.is_file():
         subprocess.run(["bash", str(REPO / "scripts" / "validate-deploy.sh")], check=False)

@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ import orjson
 import pytest
 from pdproc_sim.devstack import Stack, http_get, running_stack
 
-from tests.stacks import reset
+from tests.stacks import Canary, reset
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.e2e
@@ -78,36 +77,6 @@ VARIANT_SPELLINGS = [
 ]
 
 
-class Canary:
-    """A loopback HTTP server that records every request: the address client-chosen
-    kv_transfer_params point the decode pod at. Nothing may ever reach it."""
-
-    def __init__(self) -> None:
-        self.hits: list[str] = []
-        hits = self.hits
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                hits.append(f"GET {self.path}")
-                self.send_response(404)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            do_POST = do_GET
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture(scope="module")
 def canary() -> Iterator[Canary]:
     server = Canary()
@@ -124,7 +93,7 @@ def attack(canary: Canary, **extra: Any) -> dict[str, Any]:
         "remote_bootstrap_addr": canary.url,
         "remote_engine_id": "x",
         "remote_host": "127.0.0.1",
-        "remote_port": int(canary.url.rsplit(":", 1)[1]),
+        "remote_port": canary.port,
         "transfer_id": "t",
     }
     return {**CHAT, "kv_transfer_params": params, **extra}

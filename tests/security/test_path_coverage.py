@@ -17,9 +17,7 @@ a canary. Nothing may reach a pod carrying them, and the canary stays silent.
 from __future__ import annotations
 
 import http.client
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import orjson
@@ -28,6 +26,7 @@ import yaml
 from pdproc_sim.devstack import Stack, running_stack
 
 from pdproc.gateway_fields import GATEWAY_FIELDS, GATEWAY_HEADERS
+from tests.stacks import Canary
 
 from .conftest import CHAT, SIM_ARGS
 
@@ -52,35 +51,6 @@ SERVER_ROUTES = [
     "/v1/embeddings",
     "/pdproc-unknown",
 ]
-
-
-class Canary:
-    """Where the attack's fields point the decode: it records every hit."""
-
-    def __init__(self) -> None:
-        self.hits: list[str] = []
-        hits = self.hits
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                hits.append(f"{self.command} {self.path}")
-                self.send_response(404)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            do_POST = do_PUT = do_GET
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = int(self.server.server_address[1])
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture(scope="module")
