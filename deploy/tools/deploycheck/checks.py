@@ -115,19 +115,42 @@ def selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 def label_selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     """A metav1.LabelSelector (matchLabels and matchExpressions) against labels."""
-    for key, value in (selector.get("matchLabels") or {}).items():
-        if labels.get(key) != value:
-            return False
-    for expr in selector.get("matchExpressions") or []:
-        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
-        if (
-            (op == "In" and labels.get(key) not in values)
-            or (op == "NotIn" and labels.get(key) in values)
-            or (op == "Exists" and key not in labels)
-            or (op == "DoesNotExist" and key in labels)
-        ):
-            return False
-    return True
+    match_labels = selector.get("matchLabels") or {}
+    if any(labels.get(key) != value for key, value in match_labels.items()):
+        return False
+    expressions = selector.get("matchExpressions") or []
+    return all(_expression_matches(expr, labels) for expr in expressions)
+
+
+def _label_in(key: str, values: list[Any], labels: dict[str, str]) -> bool:
+    return labels.get(key) in values
+
+
+def _label_not_in(key: str, values: list[Any], labels: dict[str, str]) -> bool:
+    return labels.get(key) not in values
+
+
+def _label_exists(key: str, values: list[Any], labels: dict[str, str]) -> bool:
+    return key in labels
+
+
+def _label_does_not_exist(key: str, values: list[Any], labels: dict[str, str]) -> bool:
+    return key not in labels
+
+
+# matchExpressions operators; an operator not listed here constrains nothing.
+_SELECTOR_OPERATORS: dict[str, Callable[[str, list[Any], dict[str, str]], bool]] = {
+    "In": _label_in,
+    "NotIn": _label_not_in,
+    "Exists": _label_exists,
+    "DoesNotExist": _label_does_not_exist,
+}
+
+
+def _expression_matches(expr: dict[str, Any], labels: dict[str, str]) -> bool:
+    key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+    requirement = _SELECTOR_OPERATORS.get(op)
+    return requirement is None or requirement(key, values, labels)
 
 
 def check_set(name: str, docs: list[Doc], ctx: Context, report: Report) -> None:
@@ -141,13 +164,16 @@ def check_set(name: str, docs: list[Doc], ctx: Context, report: Report) -> None:
         _pdproc_shutdown_budget,
         _pdproc_resources,
         _pdproc_placement,
-        _services_and_budgets,
+        _service_target_ports,
+        _disruption_budgets,
+        _replicas_and_budgets,
         _gateway_policies,
         _envoy_gateways,
         _routes_and_pools,
         _istio_gateways,
         _envoy_filters,
-        _destination_rules_and_telemetry,
+        _destination_rule_hosts,
+        _telemetry_gateways,
         _epp,
         _network_policies,
         _tls_files,
@@ -246,26 +272,38 @@ def _pod_level_problems(spec: dict[str, Any]) -> list[str]:
 
 def _container_security_problems(c: dict[str, Any], pod_sc: dict[str, Any]) -> list[str]:
     sc = c.get("securityContext") or {}
-    capabilities = sc.get("capabilities") or {}
-    pod_seccomp = (pod_sc.get("seccompProfile") or {}).get("type")
     label = f"container {c.get('name')}"
+    problems = [*_privilege_problems(sc), *_identity_problems(sc, pod_sc)]
+    return [f"{label}: {problem}" for problem in problems]
+
+
+def _privilege_problems(sc: dict[str, Any]) -> list[str]:
+    """Escalation and Linux capabilities of one container's securityContext."""
+    capabilities = sc.get("capabilities") or {}
     problems = []
     if sc.get("allowPrivilegeEscalation") is not False:
-        problems.append(f"{label}: allowPrivilegeEscalation must be false")
+        problems.append("allowPrivilegeEscalation must be false")
     if "ALL" not in (capabilities.get("drop") or []):
-        problems.append(f"{label}: capabilities.drop must include ALL")
+        problems.append("capabilities.drop must include ALL")
     added = set(capabilities.get("add") or []) - {"NET_BIND_SERVICE"}
     if added:
-        problems.append(f"{label}: adds capabilities {sorted(added)}")
+        problems.append(f"adds capabilities {sorted(added)}")
+    return problems
+
+
+def _identity_problems(sc: dict[str, Any], pod_sc: dict[str, Any]) -> list[str]:
+    """User, seccomp profile and privileged mode (the container's, else the pod's)."""
+    pod_seccomp = (pod_sc.get("seccompProfile") or {}).get("type")
+    problems = []
     if not sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")):
-        problems.append(f"{label}: runAsNonRoot must be true (pod or container)")
+        problems.append("runAsNonRoot must be true (pod or container)")
     if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
-        problems.append(f"{label}: runAsUser 0")
+        problems.append("runAsUser 0")
     seccomp = (sc.get("seccompProfile") or {}).get("type", pod_seccomp)
     if seccomp not in ("RuntimeDefault", "Localhost"):
-        problems.append(f"{label}: seccompProfile must be RuntimeDefault or Localhost")
+        problems.append("seccompProfile must be RuntimeDefault or Localhost")
     if sc.get("privileged"):
-        problems.append(f"{label}: privileged")
+        problems.append("privileged")
     return problems
 
 
@@ -340,8 +378,12 @@ def _pdproc_resources(
     if found is None:
         return
     w, c = found
-    env = env_of(c)
     resources = c.get("resources") or {}
+    _pdproc_cpu_limit(w, resources, report)
+    _pdproc_inflight_budget(w, env_of(c), resources.get("limits") or {}, ctx, report)
+
+
+def _pdproc_cpu_limit(w: Doc, resources: dict[str, Any], report: Report) -> None:
     cpu_limit = (resources.get("limits") or {}).get("cpu")
     cpu_request = (resources.get("requests") or {}).get("cpu")
     if cpu_limit is not None and quantity(cpu_limit) != quantity(cpu_request or 0):
@@ -350,7 +392,13 @@ def _pdproc_resources(
             f"pdproc has a CPU limit ({cpu_limit}) above its request: CFS throttling stalls "
             "the event loop (and every held decode) in bursts; drop the limit or set it equal",
         )
-    memory = (resources.get("limits") or {}).get("memory")
+
+
+def _pdproc_inflight_budget(
+    w: Doc, env: dict[str, Any], limits: dict[str, Any], ctx: Context, report: Report
+) -> None:
+    """PDPROC_MAX_INFLIGHT_BYTES set, and inside the container's memory limit."""
+    memory = limits.get("memory")
     inflight = env.get("PDPROC_MAX_INFLIGHT_BYTES")
     if "PDPROC_MAX_INFLIGHT_BYTES" not in ctx.env_names or memory is None:
         return
@@ -402,25 +450,40 @@ def _distance(a: str, b: str) -> int:
 # ------------------------------------------------------------------------------ services
 
 
-def _services_and_budgets(
+def of_kind(docs: list[Doc], *kinds: str) -> list[Doc]:
+    return [d for d in docs if d.kind in kinds]
+
+
+def _service_target_ports(
     docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
 ) -> None:
-    workloads = [d for d in docs if d.kind in WORKLOADS]
-    for svc in (d for d in docs if d.kind == "Service"):
+    """A Service's named targetPort is a port of every workload it selects."""
+    workloads = of_kind(docs, *WORKLOADS)
+    for svc in of_kind(docs, "Service"):
         selector = svc.spec.get("selector", {})
-        for w in (w for w in workloads if selector_matches(selector, pod_labels(w))):
-            ports = container_ports(w)
-            for p in svc.spec.get("ports", []):
-                target = p.get("targetPort", p.get("port"))
-                if isinstance(target, str) and target not in ports:
-                    report.error(svc.where, f"targetPort {target!r} is not a port of {w.name}")
-    budgets = [d for d in docs if d.kind == "PodDisruptionBudget"]
-    for pdb in budgets:
-        matched = [
-            w
-            for w in workloads
-            if label_selector_matches(pdb.spec.get("selector", {}), pod_labels(w))
-        ]
+        for w in workloads:
+            if selector_matches(selector, pod_labels(w)):
+                _target_ports_of(svc, w, report)
+
+
+def _target_ports_of(svc: Doc, w: Doc, report: Report) -> None:
+    ports = container_ports(w)
+    for p in svc.spec.get("ports", []):
+        target = p.get("targetPort", p.get("port"))
+        if isinstance(target, str) and target not in ports:
+            report.error(svc.where, f"targetPort {target!r} is not a port of {w.name}")
+
+
+def _selected_by(pdb: Doc, w: Doc) -> bool:
+    return label_selector_matches(pdb.spec.get("selector", {}), pod_labels(w))
+
+
+def _disruption_budgets(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    workloads = of_kind(docs, *WORKLOADS)
+    for pdb in of_kind(docs, "PodDisruptionBudget"):
+        matched = [w for w in workloads if _selected_by(pdb, w)]
         if not matched:
             report.error(pdb.where, "selector matches no workload in this set")
         if "minAvailable" in pdb.spec:
@@ -429,16 +492,24 @@ def _services_and_budgets(
                 "use maxUnavailable: 1 (minAvailable blocks node drains whenever the "
                 "Deployment is scaled down to it, e.g. by an HPA)",
             )
-    for w in workloads:
-        replicas = w.spec.get("replicas", 1)
-        has_hpa = any(
-            d.kind == "HorizontalPodAutoscaler"
-            and d.spec.get("scaleTargetRef", {}).get("name") == w.name
-            for d in docs
-        )
-        if (replicas > 1 or has_hpa) and not any(
-            label_selector_matches(p.spec.get("selector", {}), pod_labels(w)) for p in budgets
-        ):
+
+
+def _scaled_by_hpa(docs: list[Doc], w: Doc) -> bool:
+    return any(
+        d.spec.get("scaleTargetRef", {}).get("name") == w.name
+        for d in of_kind(docs, "HorizontalPodAutoscaler")
+    )
+
+
+def _replicas_and_budgets(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    """Several replicas (or an HPA) need a PodDisruptionBudget; an HPA, no spec.replicas."""
+    budgets = of_kind(docs, "PodDisruptionBudget")
+    for w in of_kind(docs, *WORKLOADS):
+        has_hpa = _scaled_by_hpa(docs, w)
+        several = w.spec.get("replicas", 1) > 1 or has_hpa
+        if several and not any(_selected_by(pdb, w) for pdb in budgets):
             report.error(w.where, "several replicas but no PodDisruptionBudget")
         if has_hpa and "replicas" in w.spec:
             report.error(w.where, "an HPA scales it: drop spec.replicas (each apply resets it)")
@@ -585,28 +656,31 @@ def _client_traffic_policy(pol: Doc, settings: dict[str, float], report: Report)
 def _envoy_gateways(
     docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
 ) -> None:
-    lua = any(d.kind == "EnvoyExtensionPolicy" and d.spec.get("lua") for d in docs)
-    for gw in (d for d in docs if d.kind == "Gateway" and d.spec.get("gatewayClassName") == "eg"):
+    lua = any(d.spec.get("lua") for d in of_kind(docs, "EnvoyExtensionPolicy"))
+    for gw in gateways_of_class(docs, "eg"):
         if lua and not _lua_after_ext_proc(gw, index):
             report.error(
                 gw.where,
                 "the kv guard (Lua) would run before ext_proc (Envoy Gateway's default "
                 "order): reference an EnvoyProxy with filterOrder lua after ext_proc",
             )
-        ctps = [
-            p
-            for p in docs
-            if p.kind == "ClientTrafficPolicy"
-            and any(
-                r.get("kind") == "Gateway" and r.get("name") == gw.name
-                for r in p.spec.get("targetRefs", [])
-            )
-        ]
+        ctps = [p for p in of_kind(docs, "ClientTrafficPolicy") if _targets(p, "Gateway", gw.name)]
         if not ctps:
             report.error(
                 gw.where,
                 "no ClientTrafficPolicy (buffer limit, path normalisation) targets this Gateway",
             )
+
+
+def gateways_of_class(docs: list[Doc], gateway_class: str) -> list[Doc]:
+    return [d for d in of_kind(docs, "Gateway") if d.spec.get("gatewayClassName") == gateway_class]
+
+
+def _targets(policy: Doc, kind: str, name: str) -> bool:
+    """Whether a policy's spec.targetRefs names the object kind/name."""
+    return any(
+        r.get("kind") == kind and r.get("name") == name for r in policy.spec.get("targetRefs", [])
+    )
 
 
 def _lua_after_ext_proc(gw: Doc, index: dict[tuple[str, str], Doc]) -> bool:
@@ -625,18 +699,23 @@ def _lua_after_ext_proc(gw: Doc, index: dict[tuple[str, str], Doc]) -> bool:
 def _routes_and_pools(
     docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
 ) -> None:
-    for route in (d for d in docs if d.kind == "HTTPRoute"):
-        for parent in route.spec.get("parentRefs", []):
-            if ("Gateway", parent["name"]) not in index:
-                report.error(route.where, f"parent Gateway {parent['name']} is not in this set")
-        for rule in route.spec.get("rules", []):
-            for ref in rule.get("backendRefs", []):
-                kind = ref.get("kind", "Service")
-                if kind == "InferencePool" and ("InferencePool", ref["name"]) not in index:
-                    report.error(route.where, f"InferencePool {ref['name']} is not in this set")
-    for pool in (d for d in docs if d.kind == "InferencePool"):
+    for route in of_kind(docs, "HTTPRoute"):
+        _route_references(route, index, report)
+    for pool in of_kind(docs, "InferencePool"):
         epp = pool.spec["endpointPickerRef"]
         _service_port(index, report, pool.where, epp["name"], epp.get("port", {}).get("number"))
+
+
+def _route_references(route: Doc, index: dict[tuple[str, str], Doc], report: Report) -> None:
+    """An HTTPRoute's parent Gateways and InferencePool backends are in the set."""
+    for parent in route.spec.get("parentRefs", []):
+        if ("Gateway", parent["name"]) not in index:
+            report.error(route.where, f"parent Gateway {parent['name']} is not in this set")
+    for rule in route.spec.get("rules", []):
+        for ref in rule.get("backendRefs", []):
+            kind = ref.get("kind", "Service")
+            if kind == "InferencePool" and ("InferencePool", ref["name"]) not in index:
+                report.error(route.where, f"InferencePool {ref['name']} is not in this set")
 
 
 # The label Istio puts on the pods it deploys for a Gateway API Gateway.
@@ -712,30 +791,38 @@ def _istio_ext_proc(
         )
 
 
-def _destination_rules_and_telemetry(
+def _destination_rule_hosts(
     docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
 ) -> None:
-    for dr in (d for d in docs if d.kind == "DestinationRule"):
+    for dr in of_kind(docs, "DestinationRule"):
         match = re.fullmatch(r"([^.]+)\.([^.]+)\.svc\.cluster\.local", dr.spec["host"])
         if match and ("Service", match.group(1)) not in index:
             report.error(dr.where, f"host {dr.spec['host']} names no Service in this set")
-    # A Telemetry that selects no gateway pods is accepted by Istio and traces nothing.
-    gateways = {(d.name, d.namespace) for d in docs if d.kind == "Gateway"}
-    for tel in (d for d in docs if d.kind == "Telemetry"):
-        labels = (tel.spec.get("selector") or {}).get("matchLabels") or {}
-        named = [labels[GATEWAY_NAME_LABEL]] if GATEWAY_NAME_LABEL in labels else []
-        named += [
-            ref.get("name")
-            for ref in tel.spec.get("targetRefs") or []
-            if ref.get("kind") == "Gateway"
-        ]
-        for gateway in named:
+
+
+def _telemetry_gateways(
+    docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
+) -> None:
+    """A Telemetry that selects no gateway pods is accepted by Istio and traces nothing."""
+    gateways = {(d.name, d.namespace) for d in of_kind(docs, "Gateway")}
+    for tel in of_kind(docs, "Telemetry"):
+        for gateway in _gateways_named_by(tel):
             if (str(gateway), tel.namespace) not in gateways:
                 report.error(
                     tel.where,
                     f"selects Gateway {gateway!r}, which is not in this set in namespace "
                     f"{tel.namespace or '(none)'}: it would trace nothing",
                 )
+
+
+def _gateways_named_by(tel: Doc) -> list[Any]:
+    """The Gateways a Telemetry selects: by the gateway-name pod label, then by targetRefs."""
+    labels = (tel.spec.get("selector") or {}).get("matchLabels") or {}
+    named = [labels[GATEWAY_NAME_LABEL]] if GATEWAY_NAME_LABEL in labels else []
+    named += [
+        ref.get("name") for ref in tel.spec.get("targetRefs") or [] if ref.get("kind") == "Gateway"
+    ]
+    return named
 
 
 # ------------------------------------------------------------------------------ EPP
@@ -786,10 +873,7 @@ def _epp_image_and_flags(w: Doc, ref: str, args: list[str], ctx: Context, report
 def _epp_leader_election(
     docs: list[Doc], w: Doc, c: dict[str, Any], args: list[str], report: Report
 ) -> None:
-    leader = any(
-        a.lstrip("-").startswith("ha-enable-leader-election") and not a.endswith("=false")
-        for a in args
-    )
+    leader = flag_enabled(args, "ha-enable-leader-election")
     replicas = w.spec.get("replicas", 1)
     if replicas > 1 and not leader:
         report.error(
@@ -817,21 +901,13 @@ def _epp_health_checked(docs: list[Doc], w: Doc, args: list[str], report: Report
     """Envoy Gateway's active gRPC health check probes the ext_proc port itself; GIE v1.0.0
     registers a health service there only with --health-checking. Without it every picker
     replica is unhealthy and traffic flows only through Envoy's panic threshold."""
-    if any(a.lstrip("-").startswith("health-checking") and not a.endswith("=false") for a in args):
+    if flag_enabled(args, "health-checking"):
         return
-    labels = pod_labels(w)
-    services = {
-        d.name
-        for d in docs
-        if d.kind == "Service"
-        and (d.spec.get("selector") or {})
-        and (d.spec.get("selector") or {}).items() <= labels.items()
-    }
-    for policy in (d for d in docs if d.kind == "EnvoyExtensionPolicy"):
+    services = _services_selecting(docs, pod_labels(w))
+    for policy in of_kind(docs, "EnvoyExtensionPolicy"):
         for ext in policy.spec.get("extProc", []):
-            active = ((ext.get("backendSettings") or {}).get("healthCheck") or {}).get("active")
             refs = {r.get("name") for r in ext.get("backendRefs", [])}
-            if active and active.get("type") == "GRPC" and refs & services:
+            if _grpc_health_checked(ext) and refs & services:
                 report.error(
                     policy.where,
                     f"the gRPC health check of {sorted(refs & services)} probes the ext_proc "
@@ -840,26 +916,61 @@ def _epp_health_checked(docs: list[Doc], w: Doc, args: list[str], report: Report
                 )
 
 
+def flag_enabled(args: list[str], flag: str) -> bool:
+    """A boolean command-line flag given (--flag, -flag or --flag=...) and not =false."""
+    return any(a.lstrip("-").startswith(flag) and not a.endswith("=false") for a in args)
+
+
+def _services_selecting(docs: list[Doc], labels: dict[str, str]) -> set[str]:
+    """Names of the Services whose (non-empty) selector picks pods with these labels."""
+    return {
+        d.name
+        for d in of_kind(docs, "Service")
+        if (d.spec.get("selector") or {})
+        and (d.spec.get("selector") or {}).items() <= labels.items()
+    }
+
+
+def _grpc_health_checked(ext: dict[str, Any]) -> bool:
+    """An extProc entry with an active gRPC health check on its backends."""
+    active = ((ext.get("backendSettings") or {}).get("healthCheck") or {}).get("active")
+    if not active:
+        return False
+    return bool(active.get("type") == "GRPC")
+
+
 def _grants(docs: list[Doc], sa: str, group: str, resource: str, verbs: set[str]) -> bool:
-    for binding in (d for d in docs if d.kind in ("RoleBinding", "ClusterRoleBinding")):
-        if not any(
-            s.get("kind") == "ServiceAccount" and s.get("name") == sa
-            for s in binding.obj.get("subjects", [])
-        ):
+    for binding in of_kind(docs, "RoleBinding", "ClusterRoleBinding"):
+        if not _binds_service_account(binding, sa):
             continue
-        role_ref = binding.obj.get("roleRef", {})
-        role = next(
-            (d for d in docs if d.kind == role_ref.get("kind") and d.name == role_ref.get("name")),
-            None,
-        )
-        for rule in role.obj.get("rules", []) if role else []:
-            if (
-                group in rule.get("apiGroups", [])
-                and resource in rule.get("resources", [])
-                and verbs <= set(rule.get("verbs", []))
-            ):
-                return True
+        role = _bound_role(docs, binding)
+        rules = role.obj.get("rules", []) if role else []
+        if any(_rule_grants(rule, group, resource, verbs) for rule in rules):
+            return True
     return False
+
+
+def _binds_service_account(binding: Doc, sa: str) -> bool:
+    return any(
+        s.get("kind") == "ServiceAccount" and s.get("name") == sa
+        for s in binding.obj.get("subjects", [])
+    )
+
+
+def _bound_role(docs: list[Doc], binding: Doc) -> Doc | None:
+    role_ref = binding.obj.get("roleRef", {})
+    return next(
+        (d for d in docs if d.kind == role_ref.get("kind") and d.name == role_ref.get("name")),
+        None,
+    )
+
+
+def _rule_grants(rule: dict[str, Any], group: str, resource: str, verbs: set[str]) -> bool:
+    return (
+        group in rule.get("apiGroups", [])
+        and resource in rule.get("resources", [])
+        and verbs <= set(rule.get("verbs", []))
+    )
 
 
 # ------------------------------------------------------------------------------ network
@@ -869,16 +980,15 @@ def _network_policies(
     docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
 ) -> None:
     found = pdproc_container(docs)
-    if found is None or not any(d.kind == "Gateway" for d in docs):
+    if found is None or not of_kind(docs, "Gateway"):
         return  # the gateway overlays own the NetworkPolicy (they know the gateway's pods)
     w, _ = found
     labels = pod_labels(w)
     ports = container_ports(w)
     policies = [
         d
-        for d in docs
-        if d.kind == "NetworkPolicy"
-        and label_selector_matches(d.spec.get("podSelector", {}), labels)
+        for d in of_kind(docs, "NetworkPolicy")
+        if label_selector_matches(d.spec.get("podSelector", {}), labels)
     ]
     if not policies:
         report.error(
@@ -891,13 +1001,20 @@ def _network_policies(
     for pol in policies:
         if "Ingress" in pol.spec.get("policyTypes", ["Ingress"]):
             _ingress_rules(pol, ports, allowed, report)
-    for name, sources in allowed.items():
-        for peers in sources:
-            if not peers or any(not peer for peer in peers):
-                report.error(policies[0].where, f"port {name} is open to every source")
+    _open_to_every_source(policies[0], allowed, report)
     for needed in ("grpc", "metrics"):
         if needed in ports and needed not in allowed:
             report.error(policies[0].where, f"no ingress rule for pdproc's {needed} port")
+
+
+def _open_to_every_source(
+    first: Doc, allowed: dict[str, list[list[dict[str, Any]]]], report: Report
+) -> None:
+    """An ingress rule with no `from`, or with an empty peer, admits everyone to its ports."""
+    for name, sources in allowed.items():
+        for peers in sources:
+            if not peers or any(not peer for peer in peers):
+                report.error(first.where, f"port {name} is open to every source")
 
 
 def _ingress_rules(
@@ -947,39 +1064,13 @@ def _tls_envoy_gateway(
     """pdproc serving TLS (PDPROC_TLS_CERT) and the gateway speaking it must go together, as
     must a required client certificate (PDPROC_TLS_CLIENT_CA) and the gateway presenting one."""
     found = pdproc_container(docs)
-    if found is None or not any(
-        d.kind == "Gateway" and d.spec.get("gatewayClassName") == "eg" for d in docs
-    ):
+    if found is None or not gateways_of_class(docs, "eg"):
         return
     w, c = found
-    env = env_of(c)
-    tls, mtls = bool(env.get("PDPROC_TLS_CERT")), bool(env.get("PDPROC_TLS_CLIENT_CA"))
-    policies = [
-        d
-        for d in docs
-        if d.kind == "BackendTLSPolicy"
-        and any(
-            r.get("kind") == "Service" and r.get("name") == PDPROC
-            for r in d.spec.get("targetRefs", [])
-        )
-    ]
-    client = any(
-        ((d.spec.get("backendTLS") or {}).get("clientCertificateRef") or {}).get("name")
-        for d in docs
-        if d.kind == "EnvoyProxy"
-    )
-    if tls and not policies:
-        report.error(
-            w.where,
-            "pdproc serves TLS but no BackendTLSPolicy targets Service pdproc: the "
-            "gateway would speak cleartext to it",
-        )
-    if policies and not tls:
-        report.error(
-            policies[0].where,
-            "BackendTLSPolicy for pdproc, but pdproc serves cleartext (no PDPROC_TLS_CERT)",
-        )
-    if mtls and not client:
+    tls, mtls = _pdproc_tls(c)
+    policies = [d for d in of_kind(docs, "BackendTLSPolicy") if _targets(d, "Service", PDPROC)]
+    _backend_tls_agrees(w, policies, tls, report)
+    if mtls and not _proxy_presents_client_certificate(docs):
         report.error(
             w.where,
             "pdproc requires a client certificate but the EnvoyProxy sets no "
@@ -991,40 +1082,59 @@ def _tls_envoy_gateway(
         )
 
 
+def _pdproc_tls(c: dict[str, Any]) -> tuple[bool, bool]:
+    """Whether pdproc serves TLS, and whether it requires a client certificate."""
+    env = env_of(c)
+    return bool(env.get("PDPROC_TLS_CERT")), bool(env.get("PDPROC_TLS_CLIENT_CA"))
+
+
+def _proxy_presents_client_certificate(docs: list[Doc]) -> bool:
+    return any(
+        ((d.spec.get("backendTLS") or {}).get("clientCertificateRef") or {}).get("name")
+        for d in of_kind(docs, "EnvoyProxy")
+    )
+
+
+def _backend_tls_agrees(w: Doc, policies: list[Doc], tls: bool, report: Report) -> None:
+    if tls and not policies:
+        report.error(
+            w.where,
+            "pdproc serves TLS but no BackendTLSPolicy targets Service pdproc: the "
+            "gateway would speak cleartext to it",
+        )
+    if policies and not tls:
+        report.error(
+            policies[0].where,
+            "BackendTLSPolicy for pdproc, but pdproc serves cleartext (no PDPROC_TLS_CERT)",
+        )
+
+
 def _tls_istio(
     docs: list[Doc], index: dict[tuple[str, str], Doc], ctx: Context, report: Report
 ) -> None:
     """The same agreement through Istio's DestinationRule for pdproc."""
     found = pdproc_container(docs)
-    if found is None or not any(
-        d.kind == "Gateway" and d.spec.get("gatewayClassName") == "istio" for d in docs
-    ):
+    if found is None or not gateways_of_class(docs, "istio"):
         return
-    env = env_of(found[1])
-    tls, mtls = bool(env.get("PDPROC_TLS_CERT")), bool(env.get("PDPROC_TLS_CLIENT_CA"))
-    for dr in (
-        d
-        for d in docs
-        if d.kind == "DestinationRule" and d.spec.get("host", "").startswith("pdproc.")
-    ):
-        settings = (dr.spec.get("trafficPolicy") or {}).get("tls") or {}
-        mode = settings.get("mode", "DISABLE")
-        if tls and mode not in ("SIMPLE", "MUTUAL"):
-            report.error(
-                dr.where, f"pdproc serves TLS but the DestinationRule's tls mode is {mode}"
-            )
-        if mtls and mode != "MUTUAL":
-            report.error(
-                dr.where,
-                "pdproc requires a client certificate: tls mode must be MUTUAL "
-                "(with credentialName)",
-            )
-        if not tls and mode in ("SIMPLE", "MUTUAL"):
-            report.error(
-                dr.where, f"tls mode {mode}, but pdproc serves cleartext (no PDPROC_TLS_CERT)"
-            )
-        if settings.get("sni"):
-            _check_server_name(docs, dr, str(settings["sni"]), report)
+    tls, mtls = _pdproc_tls(found[1])
+    for dr in of_kind(docs, "DestinationRule"):
+        if dr.spec.get("host", "").startswith("pdproc."):
+            settings = (dr.spec.get("trafficPolicy") or {}).get("tls") or {}
+            _destination_rule_tls_agrees(dr, settings.get("mode", "DISABLE"), tls, mtls, report)
+            if settings.get("sni"):
+                _check_server_name(docs, dr, str(settings["sni"]), report)
+
+
+def _destination_rule_tls_agrees(dr: Doc, mode: str, tls: bool, mtls: bool, report: Report) -> None:
+    if tls and mode not in ("SIMPLE", "MUTUAL"):
+        report.error(dr.where, f"pdproc serves TLS but the DestinationRule's tls mode is {mode}")
+    if mtls and mode != "MUTUAL":
+        report.error(
+            dr.where,
+            "pdproc requires a client certificate: tls mode must be MUTUAL (with credentialName)",
+        )
+    if not tls and mode in ("SIMPLE", "MUTUAL"):
+        report.error(dr.where, f"tls mode {mode}, but pdproc serves cleartext (no PDPROC_TLS_CERT)")
 
 
 def _check_server_name(docs: list[Doc], where: Doc, name: str, report: Report) -> None:
