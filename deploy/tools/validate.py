@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -256,13 +257,7 @@ def check_hcm_paths(hcm: dict[str, Any], label: str, report: Report) -> None:
 def check_envoyfilters(
     docs: list[Doc], label: str, envoy: str, tmp: Path, seen: set[str], report: Report
 ) -> None:
-    inference_pool = any(
-        ref.get("kind") == "InferencePool"
-        for d in docs
-        if d.kind == "HTTPRoute"
-        for rule in d.spec.get("rules", [])
-        for ref in rule.get("backendRefs", [])
-    )
+    inference_pool = routes_to_inference_pool(docs)
     for doc in (d for d in docs if d.kind == "EnvoyFilter"):
         try:
             model = istio.apply_patches(doc.obj, inference_pool)
@@ -274,13 +269,32 @@ def check_envoyfilters(
         if "pdproc.ext_proc" in names and names[-1] != "envoy.filters.http.router":
             report.error(doc.where, "the router is no longer the last HTTP filter")
         check_hcm_paths(model.hcm, doc.where, report)
-        text = json.dumps(istio.bootstrap(model), sort_keys=True)
-        if text in seen:
-            continue
-        seen.add(text)
-        config = tmp / f"envoyfilter-{len(seen)}.json"
-        config.write_text(text, "utf-8")
-        envoy_validate(envoy, config, f"{doc.where} (on an Istio gateway model)", report)
+        _validate_gateway_model(model, doc, envoy, tmp, seen, report)
+
+
+def routes_to_inference_pool(docs: list[Doc]) -> bool:
+    """Whether an HTTPRoute of the set sends to an InferencePool (Istio then gives the
+    gateway the endpoint picker's ext_proc filter, which patches may name)."""
+    return any(
+        ref.get("kind") == "InferencePool"
+        for d in docs
+        if d.kind == "HTTPRoute"
+        for rule in d.spec.get("rules", [])
+        for ref in rule.get("backendRefs", [])
+    )
+
+
+def _validate_gateway_model(
+    model: istio.GatewayModel, doc: Doc, envoy: str, tmp: Path, seen: set[str], report: Report
+) -> None:
+    """`envoy --mode validate` on the patched gateway model, once per distinct bootstrap."""
+    text = json.dumps(istio.bootstrap(model), sort_keys=True)
+    if text in seen:
+        return
+    seen.add(text)
+    config = tmp / f"envoyfilter-{len(seen)}.json"
+    config.write_text(text, "utf-8")
+    envoy_validate(envoy, config, f"{doc.where} (on an Istio gateway model)", report)
 
 
 # ------------------------------------------------------------------------------ README
@@ -329,33 +343,38 @@ def check_expr(label: str, expr: str, pdproc_metrics: frozenset[str], report: Re
 
 
 def check_rules(docs: list[Doc], pdproc_metrics: frozenset[str], report: Report) -> None:
-    rule_docs = [d for d in docs if d.kind == "PrometheusRule"]
+    rules = list(_prometheus_rules(docs))
     # Series recorded by the rules themselves (level:metric:operations) may be used by others.
-    recorded = frozenset(
-        str(rule["record"])
-        for d in rule_docs
-        for group in d.spec.get("groups", [])
-        for rule in group.get("rules", [])
-        if "record" in rule
-    )
+    recorded = frozenset(str(rule["record"]) for _, rule in rules if "record" in rule)
     for name in recorded:
         if not re.fullmatch(r"[a-z_]+:[a-z0-9_]+:[a-z0-9_]+", name):
             report.error(name, "recording rule name is not level:metric:operations")
     pdproc_metrics = pdproc_metrics | recorded
-    for rule_doc in rule_docs:
+    for rule_doc, rule in rules:
+        label = f"{rule_doc.where} {rule.get('alert') or rule.get('record')}"
+        if not check_expr(label, str(rule["expr"]), pdproc_metrics, report):
+            continue
+        if "alert" in rule:
+            _check_alert_labels(label, rule, report)
+        report.ok("promql: rules parsed")
+
+
+def _prometheus_rules(docs: list[Doc]) -> Iterator[tuple[Doc, dict[str, Any]]]:
+    """Every rule of every PrometheusRule, with its document, in file order."""
+    for rule_doc in (d for d in docs if d.kind == "PrometheusRule"):
         for group in rule_doc.spec.get("groups", []):
             for rule in group.get("rules", []):
-                label = f"{rule_doc.where} {rule.get('alert') or rule.get('record')}"
-                if not check_expr(label, str(rule["expr"]), pdproc_metrics, report):
-                    continue
-                if "alert" in rule:
-                    annotations = rule.get("annotations") or {}
-                    for key in ("summary", "description", "runbook_url"):
-                        if key not in annotations:
-                            report.error(label, f"alert without annotations.{key}")
-                    if "severity" not in (rule.get("labels") or {}):
-                        report.error(label, "alert without a severity label")
-                report.ok("promql: rules parsed")
+                yield rule_doc, rule
+
+
+def _check_alert_labels(label: str, rule: dict[str, Any], report: Report) -> None:
+    """An alert carries the annotations and the severity label its receivers rely on."""
+    annotations = rule.get("annotations") or {}
+    for key in ("summary", "description", "runbook_url"):
+        if key not in annotations:
+            report.error(label, f"alert without annotations.{key}")
+    if "severity" not in (rule.get("labels") or {}):
+        report.error(label, "alert without a severity label")
 
 
 def check_dashboards(
@@ -432,12 +451,7 @@ def check_compose(repo: Path, env_names: frozenset[str], report: Report) -> None
         report.error("docker-compose.yaml/Dockerfile", "missing")
         return
     compose = yaml.safe_load(compose_path.read_text("utf-8")) or {}
-    for key in ("name", "version"):
-        if key in compose:
-            report.error(
-                _COMPOSE,
-                f"top-level {key!r}: Compose v1 (1.29) rejects `name`, v2 warns about `version`",
-            )
+    _check_compose_top_level(compose, report)
     services = compose.get("services") or {}
     for name in ("envoy", "pdproc", "sim"):
         if name not in services:
@@ -448,12 +462,25 @@ def check_compose(repo: Path, env_names: frozenset[str], report: Report) -> None
     sim_cmd = services.get("sim", {}).get("command", [])
     if list(sim_cmd)[:4] != ["sim", "pair", "--host", "0.0.0.0"]:
         report.error(_COMPOSE, "sim must run `pdproc sim pair --host 0.0.0.0`")
+    _check_compose_depends_on(services, report)
+    _check_dockerfile(dockerfile, report)
+    report.ok("compose: compose file and Dockerfile checked")
+
+
+def _check_compose_top_level(compose: dict[str, Any], report: Report) -> None:
+    for key in ("name", "version"):
+        if key in compose:
+            report.error(
+                _COMPOSE,
+                f"top-level {key!r}: Compose v1 (1.29) rejects `name`, v2 warns about `version`",
+            )
+
+
+def _check_compose_depends_on(services: dict[str, Any], report: Report) -> None:
     for name, service in services.items():
         for dep in service.get("depends_on", {}) or {}:
             if dep not in services:
                 report.error(_COMPOSE, f"{name} depends on unknown service {dep}")
-    _check_dockerfile(dockerfile, report)
-    report.ok("compose: compose file and Dockerfile checked")
 
 
 def _check_compose_envoy_service(repo: Path, envoy: dict[str, Any], report: Report) -> None:
@@ -707,19 +734,23 @@ def check_kustomizations(run: Run, overlays: list[Path]) -> None:
     if run.kubectl is not None:
         for overlay in overlays:
             _check_rendered(run, overlay.resolve(), f"overlay {overlay}", site=True)
-    for path in run.yaml_files:
-        resolved = path.resolve()
-        if (
-            path.name != "kustomization.yaml"
-            and path not in run.bootstraps
-            and not any(resolved == n or n in resolved.parents for n in named)
-        ):
-            run.report.error(
-                str(path.relative_to(run.repo)), "not referenced by any kustomization.yaml"
-            )
+    _check_every_file_referenced(run, named)
     for kdir in run.kust_dirs:
         if kustomization_kind(kdir) == "Component" and kdir.resolve() not in named:
             run.report.error(str(kdir.relative_to(run.repo)), "component used by no kustomization")
+
+
+def _check_every_file_referenced(run: Run, named: set[Path]) -> None:
+    """Each manifest file is a kustomization's, or sits in a folder one names (an Envoy
+    bootstrap is the exception: Envoy reads it, not kubectl)."""
+    for path in run.yaml_files:
+        if path.name == "kustomization.yaml" or path in run.bootstraps:
+            continue
+        resolved = path.resolve()
+        if not any(resolved == n or n in resolved.parents for n in named):
+            run.report.error(
+                str(path.relative_to(run.repo)), "not referenced by any kustomization.yaml"
+            )
 
 
 def check_with_envoy(run: Run) -> None:
