@@ -12,6 +12,7 @@ it, and pdproc would simply be missing from the chain."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,37 +166,95 @@ def proto_merge(base: dict[str, Any], patch: dict[str, Any]) -> None:
 def apply_patches(doc: dict[str, Any], inference_pool: bool) -> GatewayModel:
     model = gateway_model(inference_pool)
     for i, patch in enumerate(doc["spec"].get("configPatches", [])):
-        where = f"configPatches[{i}]"
-        match = patch.get("match") or {}
-        if match.get("context", "ANY") not in ("GATEWAY", "ANY"):
-            raise PatchError(f"{where}: context {match.get('context')} never applies to a gateway")
-        op = patch["patch"]["operation"]
-        value = copy.deepcopy(patch["patch"].get("value") or {})
-        chain_filter = ((match.get("listener") or {}).get("filterChain") or {}).get("filter") or {}
-        apply_to = patch["applyTo"]
-        if apply_to == "HTTP_FILTER":
-            if chain_filter.get("name", HCM) != HCM:
-                raise PatchError(f"{where}: HTTP filters live in {HCM}, not {chain_filter['name']}")
-            sub = (chain_filter.get("subFilter") or {}).get("name")
-            _patch_http_filter(model, op, sub, value, where, inference_pool)
-            typed = value.get("typed_config") or {}
-            cluster = ((typed.get("grpc_service") or {}).get("envoy_grpc") or {}).get(
-                "cluster_name"
-            )
-            if cluster:
-                model.clusters[cluster] = stub_cluster(cluster)
-        elif apply_to == "NETWORK_FILTER":
-            if chain_filter.get("name") != HCM or op != "MERGE":
-                raise PatchError(f"{where}: the validator models only MERGE into {HCM}")
-            typed = value.get("typed_config") or {}
-            if typed.get("@type") not in (None, HCM_TYPE):
-                raise PatchError(f"{where}: typed_config is not an HttpConnectionManager")
-            proto_merge(model.hcm, {k: v for k, v in typed.items() if k != "@type"})
-        elif apply_to == "LISTENER" and op == "MERGE":
-            proto_merge(model.listener, value)
-        else:
-            raise PatchError(f"{where}: the validator cannot model {apply_to}/{op} patches")
+        _apply_patch(model, patch, f"configPatches[{i}]", inference_pool)
     return model
+
+
+def _apply_patch(
+    model: GatewayModel, patch: dict[str, Any], where: str, inference_pool: bool
+) -> None:
+    match = patch.get("match") or {}
+    if match.get("context", "ANY") not in ("GATEWAY", "ANY"):
+        raise PatchError(f"{where}: context {match.get('context')} never applies to a gateway")
+    op = patch["patch"]["operation"]
+    value = copy.deepcopy(patch["patch"].get("value") or {})
+    chain_filter = _matched_chain_filter(match)
+    apply_to = patch["applyTo"]
+    if apply_to == "HTTP_FILTER":
+        _apply_http_filter_patch(model, op, chain_filter, value, where, inference_pool)
+    elif apply_to == "NETWORK_FILTER":
+        _apply_connection_manager_patch(model, op, chain_filter, value, where)
+    elif apply_to == "LISTENER" and op == "MERGE":
+        proto_merge(model.listener, value)
+    else:
+        raise PatchError(f"{where}: the validator cannot model {apply_to}/{op} patches")
+
+
+def _matched_chain_filter(match: dict[str, Any]) -> dict[str, Any]:
+    """match.listener.filterChain.filter ({} where any level is absent)."""
+    listener = match.get("listener") or {}
+    return dict((listener.get("filterChain") or {}).get("filter") or {})
+
+
+def _apply_http_filter_patch(
+    model: GatewayModel,
+    op: str,
+    chain_filter: dict[str, Any],
+    value: dict[str, Any],
+    where: str,
+    inference_pool: bool,
+) -> None:
+    """An HTTP_FILTER patch; an ext_proc it adds gets a stub of the cluster it calls."""
+    if chain_filter.get("name", HCM) != HCM:
+        raise PatchError(f"{where}: HTTP filters live in {HCM}, not {chain_filter['name']}")
+    sub = (chain_filter.get("subFilter") or {}).get("name")
+    _patch_http_filter(model, op, sub, value, where, inference_pool)
+    typed = value.get("typed_config") or {}
+    cluster = ((typed.get("grpc_service") or {}).get("envoy_grpc") or {}).get("cluster_name")
+    if cluster:
+        model.clusters[cluster] = stub_cluster(cluster)
+
+
+def _apply_connection_manager_patch(
+    model: GatewayModel, op: str, chain_filter: dict[str, Any], value: dict[str, Any], where: str
+) -> None:
+    """A NETWORK_FILTER patch: only a MERGE into the HttpConnectionManager is modelled."""
+    if chain_filter.get("name") != HCM or op != "MERGE":
+        raise PatchError(f"{where}: the validator models only MERGE into {HCM}")
+    typed = value.get("typed_config") or {}
+    if typed.get("@type") not in (None, HCM_TYPE):
+        raise PatchError(f"{where}: typed_config is not an HttpConnectionManager")
+    proto_merge(model.hcm, {k: v for k, v in typed.items() if k != "@type"})
+
+
+def _insert_before(filters: list[dict[str, Any]], at: int, value: dict[str, Any]) -> None:
+    filters.insert(at, value)
+
+
+def _insert_after(filters: list[dict[str, Any]], at: int, value: dict[str, Any]) -> None:
+    filters.insert(at + 1, value)
+
+
+def _replace(filters: list[dict[str, Any]], at: int, value: dict[str, Any]) -> None:
+    filters[at] = value
+
+
+def _remove(filters: list[dict[str, Any]], at: int, value: dict[str, Any]) -> None:
+    del filters[at]
+
+
+def _merge(filters: list[dict[str, Any]], at: int, value: dict[str, Any]) -> None:
+    proto_merge(filters[at], value)
+
+
+# What each operation relative to a subFilter does to the HTTP filter list.
+RELATIVE_OPERATIONS: dict[str, Callable[[list[dict[str, Any]], int, dict[str, Any]], None]] = {
+    "INSERT_BEFORE": _insert_before,
+    "INSERT_AFTER": _insert_after,
+    "REPLACE": _replace,
+    "REMOVE": _remove,
+    "MERGE": _merge,
+}
 
 
 def _patch_http_filter(
@@ -215,29 +274,23 @@ def _patch_http_filter(
     if sub is None:
         raise PatchError(f"{where}: {op} needs match.listener.filterChain.filter.subFilter.name")
     if sub not in names:
-        if sub in POLICY_FILTERS:
-            why = f"exists only with {POLICY_FILTERS[sub]}, which this set does not have"
-        elif sub == "envoy.filters.http.ext_proc" and not inference_pool:
-            why = "exists only on a gateway with an HTTPRoute to an InferencePool"
-        else:
-            why = "is not a filter of an Istio 1.28 gateway"
         raise PatchError(
-            f"{where}: subFilter {sub} {why} (the gateway has: {', '.join(names)}); Istio "
-            "would skip this patch silently"
+            f"{where}: subFilter {sub} {_why_absent(sub, inference_pool)} (the gateway has: "
+            f"{', '.join(names)}); Istio would skip this patch silently"
         )
-    at = names.index(sub)
-    if op == "INSERT_BEFORE":
-        model.filters.insert(at, value)
-    elif op == "INSERT_AFTER":
-        model.filters.insert(at + 1, value)
-    elif op == "REPLACE":
-        model.filters[at] = value
-    elif op == "REMOVE":
-        del model.filters[at]
-    elif op == "MERGE":
-        proto_merge(model.filters[at], value)
-    else:
+    operation = RELATIVE_OPERATIONS.get(op)
+    if operation is None:
         raise PatchError(f"{where}: unknown operation {op}")
+    operation(model.filters, names.index(sub), value)
+
+
+def _why_absent(sub: str, inference_pool: bool) -> str:
+    """Why the gateway model has no filter named `sub`."""
+    if sub in POLICY_FILTERS:
+        return f"exists only with {POLICY_FILTERS[sub]}, which this set does not have"
+    if sub == "envoy.filters.http.ext_proc" and not inference_pool:
+        return "exists only on a gateway with an HTTPRoute to an InferencePool"
+    return "is not a filter of an Istio 1.28 gateway"
 
 
 def bootstrap(model: GatewayModel) -> dict[str, Any]:
