@@ -9,6 +9,7 @@ import contextlib
 import copy
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,39 +139,59 @@ class CrdSchemas:
         self, schema: dict[str, Any], value: Any, path: str, set_name: str, result: CrdResult
     ) -> None:
         for rule in schema.get("x-kubernetes-validations", []):
-            text = rule["rule"]
-            if re.search(r"\boldSelf\b", text):
-                continue  # a transition rule: only on update
-            result.rules_evaluated += 1
-            where = path + rule.get("fieldPath", "") or "(root)"
-            try:
-                ok = self.evaluate(text, to_cel(schema, value))
-            except Exception as exc:  # the engine's error types are not a public API
-                result.errors.append(
-                    f"[{set_name}] {where.lstrip('.')}: CEL rule {text!r} failed to evaluate "
-                    f"({str(exc)[:160]})"
-                )
-                continue
-            if ok is not True:
-                message = rule.get("message") or f"failed rule: {text}"
-                if "messageExpression" in rule:
-                    # the static message stays if the expression cannot be evaluated
-                    with contextlib.suppress(Exception):
-                        message = str(
-                            self.evaluate(rule["messageExpression"], to_cel(schema, value))
-                        )
-                result.errors.append(f"[{set_name}] {where.lstrip('.')}: {message}")
-        if isinstance(value, dict):
-            props = schema.get("properties") or {}
-            extra = schema.get("additionalProperties")
-            for key, sub in value.items():
-                if key in props:
-                    self._cel(props[key], sub, f"{path}.{key}", set_name, result)
-                elif isinstance(extra, dict):
-                    self._cel(extra, sub, f"{path}[{key}]", set_name, result)
-        elif isinstance(value, list) and isinstance(schema.get("items"), dict):
-            for i, sub in enumerate(value):
-                self._cel(schema["items"], sub, f"{path}[{i}]", set_name, result)
+            self._cel_rule(rule, schema, value, path, set_name, result)
+        for sub_schema, sub, sub_path in _cel_children(schema, value, path):
+            self._cel(sub_schema, sub, sub_path, set_name, result)
+
+    def _cel_rule(
+        self,
+        rule: dict[str, Any],
+        schema: dict[str, Any],
+        value: Any,
+        path: str,
+        set_name: str,
+        result: CrdResult,
+    ) -> None:
+        text = rule["rule"]
+        if re.search(r"\boldSelf\b", text):
+            return  # a transition rule: only on update
+        result.rules_evaluated += 1
+        where = (path + rule.get("fieldPath", "") or "(root)").lstrip(".")
+        try:
+            ok = self.evaluate(text, to_cel(schema, value))
+        except Exception as exc:  # the engine's error types are not a public API
+            result.errors.append(
+                f"[{set_name}] {where}: CEL rule {text!r} failed to evaluate ({str(exc)[:160]})"
+            )
+            return
+        if ok is not True:
+            message = self._failure_message(rule, schema, value)
+            result.errors.append(f"[{set_name}] {where}: {message}")
+
+    def _failure_message(self, rule: dict[str, Any], schema: dict[str, Any], value: Any) -> str:
+        message = str(rule.get("message") or f"failed rule: {rule['rule']}")
+        if "messageExpression" in rule:
+            # the static message stays if the expression cannot be evaluated
+            with contextlib.suppress(Exception):
+                message = str(self.evaluate(rule["messageExpression"], to_cel(schema, value)))
+        return message
+
+
+def _cel_children(
+    schema: dict[str, Any], value: Any, path: str
+) -> Iterator[tuple[dict[str, Any], Any, str]]:
+    """The sub-values the schema describes, each with its schema and path."""
+    if isinstance(value, dict):
+        props = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        for key, sub in value.items():
+            if key in props:
+                yield props[key], sub, f"{path}.{key}"
+            elif isinstance(extra, dict):
+                yield extra, sub, f"{path}[{key}]"
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, sub in enumerate(value):
+            yield schema["items"], sub, f"{path}[{i}]"
 
 
 def to_cel(schema: dict[str, Any], value: Any) -> Any:
@@ -196,19 +217,29 @@ def to_cel(schema: dict[str, Any], value: Any) -> Any:
 def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
     """Fill in `default`s the way the API server does before validating (in place)."""
     if isinstance(value, dict):
-        for key, sub in (schema.get("properties") or {}).items():
-            if key not in value and "default" in sub:
-                value[key] = copy.deepcopy(sub["default"])
-            if key in value:
-                value[key] = apply_defaults(sub, value[key])
-        extra = schema.get("additionalProperties")
-        if isinstance(extra, dict):
-            for key in list(value):
-                if key not in (schema.get("properties") or {}):
-                    value[key] = apply_defaults(extra, value[key])
+        _property_defaults(schema, value)
+        _additional_property_defaults(schema, value)
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         return [apply_defaults(schema["items"], v) for v in value]
     return value
+
+
+def _property_defaults(schema: dict[str, Any], value: dict[str, Any]) -> None:
+    """Each declared property: its default when absent, then its own defaults."""
+    for key, sub in (schema.get("properties") or {}).items():
+        if key not in value and "default" in sub:
+            value[key] = copy.deepcopy(sub["default"])
+        if key in value:
+            value[key] = apply_defaults(sub, value[key])
+
+
+def _additional_property_defaults(schema: dict[str, Any], value: dict[str, Any]) -> None:
+    """The defaults inside undeclared keys that additionalProperties describes."""
+    extra = schema.get("additionalProperties")
+    if isinstance(extra, dict):
+        for key in list(value):
+            if key not in (schema.get("properties") or {}):
+                value[key] = apply_defaults(extra, value[key])
 
 
 def _fmt_error(err: jsonschema.ValidationError) -> str:
