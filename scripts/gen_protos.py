@@ -151,9 +151,24 @@ def rewrite(text: str, source: str, *, grpc: bool) -> str:
 
 
 def generate(out: Path) -> None:
-    from grpc_tools import protoc
-
+    include = wkt_include()
     files = closure(ROOTS, [PROTOS])
+    _refuse_stray_protos(files)
+    wkts = sorted(
+        {imp for path in files.values() for imp in imports_of(path) if imp.startswith(WKT_PREFIX)}
+    )
+    with tempfile.TemporaryDirectory() as raw_dir:
+        raw = Path(raw_dir)
+        services = _run_protoc(files, include, raw)
+        _write_api_modules(files, services, raw, out)
+    for wkt in wkts:
+        _write_wkt_module(wkt, include, out)
+    (out / "_pool.py").write_text(POOL_MODULE)
+    _write_package_inits(out)
+
+
+def _refuse_stray_protos(files: dict[str, Path]) -> None:
+    """protos/ holds exactly the closure of ROOTS."""
     stray = sorted(
         str(p.relative_to(PROTOS))
         for p in PROTOS.rglob("*.proto")
@@ -161,40 +176,51 @@ def generate(out: Path) -> None:
     )
     if stray:
         raise SystemExit(f"gen_protos: protos/ holds files nothing imports: {stray}")
-    wkts = sorted(
-        {imp for path in files.values() for imp in imports_of(path) if imp.startswith(WKT_PREFIX)}
+
+
+def _run_protoc(files: dict[str, Path], include: Path, raw: Path) -> list[str]:
+    """protoc's plain stubs of every file (and gRPC stubs of those with a service) into
+    `raw`; returns the files with a service."""
+    from grpc_tools import protoc
+
+    base = ["grpc_tools.protoc", f"-I{PROTOS}", f"-I{include}"]
+    if protoc.main([*base, f"--python_out={raw}", *sorted(files)]) != 0:
+        raise SystemExit("gen_protos: protoc failed")
+    services = sorted(name for name, path in files.items() if _SERVICE.search(path.read_text()))
+    if protoc.main([*base, f"--grpc_python_out={raw}", *services]) != 0:
+        raise SystemExit("gen_protos: protoc (grpc) failed")
+    return services
+
+
+def _write_api_modules(files: dict[str, Path], services: list[str], raw: Path, out: Path) -> None:
+    """protoc's stubs, rewritten into pdproc._proto, replace whatever `out` held."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for name in sorted(files):
+        stem = name.removesuffix(".proto")
+        kinds = [("_pb2.py", False)] + ([("_pb2_grpc.py", True)] if name in services else [])
+        for suffix, grpc in kinds:
+            target = out / (stem + suffix)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            text = (raw / (stem + suffix)).read_text()
+            target.write_text(rewrite(text, name, grpc=grpc))
+
+
+def _write_wkt_module(wkt: str, include: Path, out: Path) -> None:
+    """A well-known type's module registering its descriptor in the private pool."""
+    name = Path(wkt).stem + "_pb2"
+    deps = "".join(
+        f"from {PACKAGE}.google.protobuf import {Path(dep).stem}_pb2 as _dep_{Path(dep).stem}"
+        "  # noqa: F401\n"
+        for dep in imports_of(include / wkt)
     )
-    include = wkt_include()
-    with tempfile.TemporaryDirectory() as raw_dir:
-        raw = Path(raw_dir)
-        base = ["grpc_tools.protoc", f"-I{PROTOS}", f"-I{include}"]
-        if protoc.main([*base, f"--python_out={raw}", *sorted(files)]) != 0:
-            raise SystemExit("gen_protos: protoc failed")
-        services = sorted(name for name, path in files.items() if _SERVICE.search(path.read_text()))
-        if protoc.main([*base, f"--grpc_python_out={raw}", *services]) != 0:
-            raise SystemExit("gen_protos: protoc (grpc) failed")
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
-        for name in sorted(files):
-            stem = name.removesuffix(".proto")
-            kinds = [("_pb2.py", False)] + ([("_pb2_grpc.py", True)] if name in services else [])
-            for suffix, grpc in kinds:
-                target = out / (stem + suffix)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                text = (raw / (stem + suffix)).read_text()
-                target.write_text(rewrite(text, name, grpc=grpc))
-    for wkt in wkts:
-        name = Path(wkt).stem + "_pb2"
-        deps = "".join(
-            f"from {PACKAGE}.google.protobuf import {Path(dep).stem}_pb2 as _dep_{Path(dep).stem}"
-            "  # noqa: F401\n"
-            for dep in imports_of(include / wkt)
-        )
-        target = out / "google" / "protobuf" / f"{name}.py"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(WKT_MODULE.format(proto=wkt, name=name, deps=deps, package=PACKAGE))
-    (out / "_pool.py").write_text(POOL_MODULE)
+    target = out / "google" / "protobuf" / f"{name}.py"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(WKT_MODULE.format(proto=wkt, name=name, deps=deps, package=PACKAGE))
+
+
+def _write_package_inits(out: Path) -> None:
     for directory in sorted({p.parent for p in out.rglob("*.py")} | {out}):
         init = directory / "__init__.py"
         if not init.exists():
