@@ -16,7 +16,7 @@ SIM := $(wildcard sim/pyproject.toml)
 # Extra pytest arguments for `make test-installed` (e.g. PYTEST_ARGS=tests/e2e).
 PYTEST_ARGS ?= tests
 
-.PHONY: install dev demo test lint protos protos-check dist test-venv test-installed \
+.PHONY: install dev demo test lint complexity protos protos-check dist test-venv test-installed \
 	test-oldest-envoy test-envoy-matrix test-engines unit coverage bench bench-smoke envoy-config clean \
 	image print-image test-compose promtool
 
@@ -52,6 +52,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/mypy
+
+# Nothing in the repository over cyclomatic complexity 12 by ruff's C901 count or by radon's
+# (which adds boolean operators, conditional expressions and comprehensions); lists them.
+complexity: $(STAMP)
+	$(PY) scripts/structure_report.py --max-complexity 12
 
 # Regenerate pdproc/_proto/ from protos/ (see protos/README.md); commit both.
 protos: $(STAMP)

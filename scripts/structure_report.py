@@ -2,6 +2,7 @@
 
     python scripts/structure_report.py                 # pdproc/, complexity of the whole repo
     python scripts/structure_report.py --package pdproc --over 10 --json
+    python scripts/structure_report.py --max-complexity 12   # the gate: exit 1 if any is over
 
 Import graph: every `import` / `from ... import` of a module of the package, read with `ast`
 (nothing is imported or run). Imports inside `if TYPE_CHECKING:` are edges of their own kind:
@@ -134,48 +135,64 @@ def import_graph(root: Path, package: str) -> Graph:
 
 def strongly_connected(successors: dict[str, set[str]]) -> list[list[str]]:
     """Tarjan's algorithm (iterative); only the components of more than one module."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-    counter = 0
-    for start in sorted(successors):
-        if start in index:
-            continue
-        work: list[tuple[str, Iterator[str]]] = [(start, iter(sorted(successors[start])))]
-        index[start] = low[start] = counter
-        counter += 1
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, children = work[-1]
+    return _Tarjan(successors).components()
+
+
+class _Tarjan:
+    """One run of Tarjan's algorithm, with an explicit stack of (node, children left) so a
+    deep import chain cannot hit Python's recursion limit."""
+
+    def __init__(self, successors: dict[str, set[str]]) -> None:
+        self.successors = successors
+        self.index: dict[str, int] = {}
+        self.low: dict[str, int] = {}
+        self.stack: list[str] = []
+        self.on_stack: set[str] = set()
+        self.work: list[tuple[str, Iterator[str]]] = []
+        self.found: list[list[str]] = []
+
+    def components(self) -> list[list[str]]:
+        for start in sorted(self.successors):
+            if start not in self.index:
+                self._enter(start)
+                self._walk()
+        return sorted(self.found)
+
+    def _enter(self, node: str) -> None:
+        self.index[node] = self.low[node] = len(self.index)
+        self.stack.append(node)
+        self.on_stack.add(node)
+        self.work.append((node, iter(sorted(self.successors[node]))))
+
+    def _walk(self) -> None:
+        while self.work:
+            node, children = self.work[-1]
             child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = counter
-                    counter += 1
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(successors[child]))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                parent = work[-1][0]
-                low[parent] = min(low[parent], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
-                if len(component) > 1:
-                    found.append(sorted(component))
-    return sorted(found)
+            if child is None:
+                self._leave(node)
+            elif child not in self.index:
+                self._enter(child)
+            elif child in self.on_stack:
+                self.low[node] = min(self.low[node], self.index[child])
+
+    def _leave(self, node: str) -> None:
+        self.work.pop()
+        if self.work:
+            parent = self.work[-1][0]
+            self.low[parent] = min(self.low[parent], self.low[node])
+        if self.low[node] == self.index[node]:
+            component = self._pop_component(node)
+            if len(component) > 1:
+                self.found.append(sorted(component))
+
+    def _pop_component(self, root: str) -> list[str]:
+        component = []
+        while True:
+            member = self.stack.pop()
+            self.on_stack.discard(member)
+            component.append(member)
+            if member == root:
+                return component
 
 
 class _Complexity(ast.NodeVisitor):
@@ -296,11 +313,6 @@ def report(root: Path, package: str, dirs: Iterable[str], over: int) -> dict[str
         {(e.source, e.target) for e in graph.edges if e.type_checking and e.source != e.target}
     )
     table = complexity(root, python_files(root, dirs))
-    largest: dict[str, FunctionComplexity] = {}
-    for row in table:
-        best = largest.get(row.package)
-        if best is None or row.complexity > best.complexity:
-            largest[row.package] = row
     return {
         "package": package,
         "modules": len(graph.modules),
@@ -310,25 +322,62 @@ def report(root: Path, package: str, dirs: Iterable[str], over: int) -> dict[str
         "type_checking_imports": [f"{a} -> {b}" for a, b in type_checking_edges],
         "functions": len(table),
         "over": over,
-        "functions_over": [
-            {
-                "where": f"{r.path}:{r.line}",
-                "function": r.name,
-                "complexity": r.complexity,
-                "radon": r.radon,
-            }
-            for r in sorted(table, key=lambda r: (-r.complexity, -r.radon, r.path, r.line))
-            if r.complexity > over or r.radon > over
-        ],
-        "max_per_package": {
-            folder: {
-                "function": f"{r.path}:{r.line} {r.name}",
-                "complexity": r.complexity,
-                "radon": max(row.radon for row in table if row.package == folder),
-            }
-            for folder, r in sorted(largest.items())
-        },
+        "functions_over": [_row(r) for r in over_limit(table, over)],
+        "max_per_package": largest_per_package(table),
     }
+
+
+def over_limit(table: list[FunctionComplexity], limit: int) -> list[FunctionComplexity]:
+    """The functions over `limit` by either count, the most complex (C901, then radon) first."""
+    ordered = sorted(table, key=lambda r: (-r.complexity, -r.radon, r.path, r.line))
+    return [r for r in ordered if r.complexity > limit or r.radon > limit]
+
+
+def _row(r: FunctionComplexity) -> dict[str, object]:
+    return {
+        "where": f"{r.path}:{r.line}",
+        "function": r.name,
+        "complexity": r.complexity,
+        "radon": r.radon,
+    }
+
+
+def largest_per_package(table: list[FunctionComplexity]) -> dict[str, dict[str, object]]:
+    """Per folder: the function with the largest C901 count, and the largest radon count."""
+    largest: dict[str, FunctionComplexity] = {}
+    for row in table:
+        best = largest.get(row.package)
+        if best is None or row.complexity > best.complexity:
+            largest[row.package] = row
+    return {
+        folder: {
+            "function": f"{r.path}:{r.line} {r.name}",
+            "complexity": r.complexity,
+            "radon": max(row.radon for row in table if row.package == folder),
+        }
+        for folder, r in sorted(largest.items())
+    }
+
+
+def _format_row(row: dict[str, object]) -> str:
+    return f"  {row['complexity']:4d} {row['radon']:5d}  {row['where']}  {row['function']}"
+
+
+def check_max_complexity(root: Path, dirs: Iterable[str], limit: int) -> int:
+    """The gate (`make complexity`): 1, listing them, if any function is over `limit` by
+    ruff's C901 count or by radon's; else 0."""
+    table = complexity(root, python_files(root, dirs))
+    over = over_limit(table, limit)
+    if not over:
+        print(f"complexity: none of {len(table)} functions is over {limit} (C901 and radon)")
+        return 0
+    print(
+        f"complexity: {len(over)} of {len(table)} functions over {limit} by C901 or radon "
+        "(split them into named steps)\n  C901 radon"
+    )
+    for r in over:
+        print(_format_row(_row(r)))
+    return 1
 
 
 def _print_text(data: dict[str, object]) -> None:
@@ -356,7 +405,7 @@ def _print_text(data: dict[str, object]) -> None:
         f"of {data['functions']}\n  C901 radon"
     )
     for row in over:
-        print(f"  {row['complexity']:4d} {row['radon']:5d}  {row['where']}  {row['function']}")
+        print(_format_row(row))
     print("\nlargest complexity per package (C901, with its function; radon's largest):")
     largest = data["max_per_package"]
     assert isinstance(largest, dict)
@@ -371,11 +420,20 @@ def main(argv: list[str] | None = None) -> int:
         "--dirs", nargs="*", default=list(CODE_DIRS), help="folders of the complexity table"
     )
     parser.add_argument("--over", type=int, default=10, help="list functions above this")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="machine-readable output")
+    output.add_argument(
+        "--max-complexity",
+        type=int,
+        metavar="N",
+        help="gate: list only the functions over N (C901 or radon) and exit 1 if there are any",
+    )
     parser.add_argument(
         "--root", type=Path, default=REPO, help="checkout to measure (default: this one)"
     )
     args = parser.parse_args(argv)
+    if args.max_complexity is not None:
+        return check_max_complexity(args.root.resolve(), args.dirs, args.max_complexity)
     data = report(args.root.resolve(), args.package, args.dirs, args.over)
     if args.json:
         json.dump(data, sys.stdout, indent=2)

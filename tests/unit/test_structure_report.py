@@ -4,6 +4,7 @@ complexity as ruff's C901 counts it, on a small package written for the test."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -93,3 +94,51 @@ def test_complexity_counts_like_ruff_and_like_radon(
     (row,) = data["functions_over"]
     assert (row["function"], row["complexity"], row["radon"]) == ("f", 7, 11)
     assert data["max_per_package"]["pkg"]["complexity"] == 7
+
+
+GATED = {
+    "pkg/__init__.py": "",
+    "pkg/g.py": """
+        def branchy(x):                  # C901 4, radon 4
+            if x == 1:
+                return 1
+            if x == 2:
+                return 2
+            if x == 3:
+                return 3
+            return 0
+
+        def wordy(a, b, c, d):           # C901 1, radon 4: boolean operators only
+            return a and b and c and d
+
+        def plain(x):                    # C901 2, radon 2
+            if x:
+                return 1
+            return 0
+    """,
+}
+
+
+def run_gate(tmp_path: Path, limit: int) -> subprocess.CompletedProcess[str]:
+    """The script as `make complexity` runs it, on the package written for the test."""
+    argv = [sys.executable, str(SCRIPT), "--root", str(tmp_path), "--dirs", "pkg"]
+    return subprocess.run(
+        [*argv, "--max-complexity", str(limit)], capture_output=True, text=True, check=False
+    )
+
+
+def test_the_gate_lists_every_function_over_the_limit_by_either_count(tmp_path: Path) -> None:
+    write(tmp_path, GATED)
+    proc = run_gate(tmp_path, 3)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    listed = [line.split() for line in proc.stdout.splitlines()[2:]]
+    # C901, radon, where, name: the C901 offender first, then the radon-only one.
+    assert listed == [["4", "4", "pkg/g.py:2", "branchy"], ["1", "4", "pkg/g.py:11", "wordy"]]
+    assert "2 of 3 functions over 3" in proc.stdout
+
+
+def test_the_gate_passes_when_nothing_is_over(tmp_path: Path) -> None:
+    write(tmp_path, GATED)
+    proc = run_gate(tmp_path, 4)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "none of 3 functions is over 4" in proc.stdout
