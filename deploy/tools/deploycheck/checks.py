@@ -74,6 +74,10 @@ class Context:
     site: bool  # --overlay mode: placeholders and unpinned images are errors
 
 
+def of_kind(docs: list[Doc], *kinds: str) -> list[Doc]:
+    return [d for d in docs if d.kind in kinds]
+
+
 def pod_spec(w: Doc) -> dict[str, Any]:
     return dict(w.spec.get("template", {}).get("spec") or {})
 
@@ -448,10 +452,6 @@ def _distance(a: str, b: str) -> int:
 
 
 # ------------------------------------------------------------------------------ services
-
-
-def of_kind(docs: list[Doc], *kinds: str) -> list[Doc]:
-    return [d for d in docs if d.kind in kinds]
 
 
 def _service_target_ports(
