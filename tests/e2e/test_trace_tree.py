@@ -204,23 +204,33 @@ def test_one_trace_from_envoy_through_pdproc_to_the_prefill(
     by_id = {s.span_id: s for s in spans}
     gateway = [s for s in spans if s.service == "gateway"]
     assert gateway, "Envoy's spans are not in pdproc's trace"
-    # pdproc's request span hangs under one of Envoy's spans: a single tree, not a new root
-    # and not a sibling parented on a client's context.
+    check_request_span_under_the_gateway(ours, by_id)
+    check_prefill_span_and_its_context(spans, ours, prefill, st.sim.prefill.port)
+    roots = [s for s in spans if s.parent_id not in by_id]
+    assert len(roots) == 1
+    assert roots[0].service == "gateway"
+
+
+def check_request_span_under_the_gateway(ours: Span, by_id: dict[str, Span]) -> None:
+    """pdproc's request span hangs under one of Envoy's spans: a single tree, not a new root
+    and not a sibling parented on a client's context."""
     assert ours.parent_id in by_id
     assert by_id[ours.parent_id].service == "gateway"
     assert ours.service == "pdproc-under-test"  # OTEL_SERVICE_NAME is honoured
     assert ours.attributes["rpc.system"] == "grpc"
     assert ours.attributes["rpc.method"] == "Process"
+
+
+def check_prefill_span_and_its_context(
+    spans: list[Span], ours: Span, prefill: dict[str, Any], prefill_port: int
+) -> None:
+    """One prefill span under the request span, and the prefill pod received its context."""
     (prefill_span,) = _named(spans, "pdproc.prefill")
     assert prefill_span.parent_id == ours.span_id
     assert prefill_span.attributes["server.address"] == "127.0.0.1"
-    assert prefill_span.attributes["server.port"] == st.sim.prefill.port
-    # The prefill pod received the trace context of pdproc's prefill span.
+    assert prefill_span.attributes["server.port"] == prefill_port
     traceparent = prefill["headers"]["traceparent"]
     assert traceparent.split("-")[1:3] == [ours.trace_id, prefill_span.span_id]
-    roots = [s for s in spans if s.parent_id not in by_id]
-    assert len(roots) == 1
-    assert roots[0].service == "gateway"
 
 
 class ZipkinCollector(ThreadingHTTPServer):
