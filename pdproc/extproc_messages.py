@@ -260,11 +260,10 @@ def _prefill_from_metadata(request: pb.ProcessingRequest) -> str | None:
     """The endpoint picker's prefill target from the dynamic metadata: the target, "" when
     it says one is present but gives none, None when it says nothing."""
     metadata = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
-    if metadata is None:
-        return None
-    if METADATA_PREFILL_KEY in metadata.fields:
-        return str(metadata.fields[METADATA_PREFILL_KEY].string_value)
-    if METADATA_PREFILL_PRESENT_KEY in metadata.fields:
+    fields = metadata.fields if metadata is not None else {}
+    if METADATA_PREFILL_KEY in fields:
+        return str(fields[METADATA_PREFILL_KEY].string_value)
+    if METADATA_PREFILL_PRESENT_KEY in fields:
         return ""
     return None
 
