@@ -75,41 +75,6 @@ class Server:
         self._dns: DnsPool | None = None
         self._breaker_sweep: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
-        s = self.settings
-        self._client = new_session(s.max_prefill_connections)
-        self.service = await self._new_service(self._client)
-        _warn_about_settings(s)
-
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", s.grpc_max_message_bytes),
-                ("grpc.max_send_message_length", s.grpc_max_message_bytes),
-                ("grpc.so_reuseport", int(self._share_ports)),
-                *limits.grpc_options(),
-            ]
-        )
-        pb_grpc.add_ExternalProcessorServicer_to_server(self.service, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        listen = str(s.listen)
-        self.port = _bind(server, listen, _server_credentials(s))
-        await server.start()
-        self._server = server
-        for name in ("", EXT_PROC_SERVICE):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if s.metrics_listen is not None:
-            await self._start_http(s.metrics_listen)
-        log.info(
-            "pdproc serving",
-            extra={
-                "listen": listen,
-                "port": self.port,
-                "tls": _tls_mode(s),
-                "metrics_port": self.metrics_port,
-                "kv_connector": s.kv_connector.value,
-            },
-        )
-
     async def _new_service(self, client: aiohttp.ClientSession) -> ExtProcService:
         """The ext_proc service and what it shares between streams (engine maps, breakers,
         the prefill launcher, the DNS pool), with the breakers' sweep running."""
@@ -154,6 +119,41 @@ class Server:
         )
         self._breaker_sweep = asyncio.get_running_loop().create_task(_sweep(breakers))
         return service
+
+    async def start(self) -> None:
+        s = self.settings
+        self._client = new_session(s.max_prefill_connections)
+        self.service = await self._new_service(self._client)
+        _warn_about_settings(s)
+
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", s.grpc_max_message_bytes),
+                ("grpc.max_send_message_length", s.grpc_max_message_bytes),
+                ("grpc.so_reuseport", int(self._share_ports)),
+                *limits.grpc_options(),
+            ]
+        )
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        listen = str(s.listen)
+        self.port = _bind(server, listen, _server_credentials(s))
+        await server.start()
+        self._server = server
+        for name in ("", EXT_PROC_SERVICE):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if s.metrics_listen is not None:
+            await self._start_http(s.metrics_listen)
+        log.info(
+            "pdproc serving",
+            extra={
+                "listen": listen,
+                "port": self.port,
+                "tls": _tls_mode(s),
+                "metrics_port": self.metrics_port,
+                "kv_connector": s.kv_connector.value,
+            },
+        )
 
     def _breaker_changed(self, target: HostPort, is_open: bool) -> None:
         self.metrics.breaker_changed(target, is_open)
