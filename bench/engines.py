@@ -114,37 +114,48 @@ def fronts(
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (config, concurrency): medians over rounds, with the range over rounds."""
-    out = []
     keys = sorted({(r["config"], r["concurrency"]) for r in rows}, key=lambda k: (k[1], k[0]))
-    for config, concurrency in keys:
-        cells = [r for r in rows if r["config"] == config and r["concurrency"] == concurrency]
-        good = [r for r in cells if r.get("ok")]
-        p50 = [r["ttft_ms"]["p50"] for r in good if r["ttft_ms"]["p50"] is not None]
-        p99 = [r["ttft_ms"]["p99"] for r in good if r["ttft_ms"]["p99"] is not None]
-        cpu = [r["proxy_cpu_ms_per_req"] for r in good if r.get("proxy_cpu_ms_per_req") is not None]
-        inside = [
-            r["pdproc_processing_ms_mean"]
-            for r in good
-            if r.get("pdproc_processing_ms_mean") is not None
-        ]
-        added = _added_over_client_pd(rows, config, concurrency)
-        out.append(
-            {
-                "config": config,
-                "concurrency": concurrency,
-                "rounds": len(good),
-                "failed": sum(r.get("failed", 0) for r in cells),
-                "ttft_p50_ms": statistics.median(p50) if p50 else None,
-                "ttft_p50_range": (min(p50), max(p50)) if p50 else None,
-                "ttft_p99_ms": statistics.median(p99) if p99 else None,
-                "ttft_p99_range": (min(p99), max(p99)) if p99 else None,
-                "proxy_cpu_ms_per_req": statistics.median(cpu) if cpu else None,
-                "pdproc_processing_ms": statistics.median(inside) if inside else None,
-                "added_ttft_p50_ms": statistics.median(added) if added else None,
-                "added_ttft_p50_range": (min(added), max(added)) if added else None,
-            }
-        )
-    return out
+    return [_summary_row(rows, config, concurrency) for config, concurrency in keys]
+
+
+def _summary_row(rows: list[dict[str, Any]], config: str, concurrency: int) -> dict[str, Any]:
+    cells = [r for r in rows if r["config"] == config and r["concurrency"] == concurrency]
+    good = [r for r in cells if r.get("ok")]
+    p50 = _ttft_values(good, "p50")
+    p99 = _ttft_values(good, "p99")
+    cpu = _known_values(good, "proxy_cpu_ms_per_req")
+    inside = _known_values(good, "pdproc_processing_ms_mean")
+    added = _added_over_client_pd(rows, config, concurrency)
+    return {
+        "config": config,
+        "concurrency": concurrency,
+        "rounds": len(good),
+        "failed": sum(r.get("failed", 0) for r in cells),
+        "ttft_p50_ms": _median(p50),
+        "ttft_p50_range": _range(p50),
+        "ttft_p99_ms": _median(p99),
+        "ttft_p99_range": _range(p99),
+        "proxy_cpu_ms_per_req": _median(cpu),
+        "pdproc_processing_ms": _median(inside),
+        "added_ttft_p50_ms": _median(added),
+        "added_ttft_p50_range": _range(added),
+    }
+
+
+def _ttft_values(cells: list[dict[str, Any]], quantile: str) -> list[Any]:
+    return [r["ttft_ms"][quantile] for r in cells if r["ttft_ms"][quantile] is not None]
+
+
+def _known_values(cells: list[dict[str, Any]], key: str) -> list[Any]:
+    return [r[key] for r in cells if r.get(key) is not None]
+
+
+def _median(values: list[Any]) -> Any:
+    return statistics.median(values) if values else None
+
+
+def _range(values: list[Any]) -> tuple[Any, Any] | None:
+    return (min(values), max(values)) if values else None
 
 
 def _added_over_client_pd(rows: list[dict[str, Any]], config: str, concurrency: int) -> list[float]:

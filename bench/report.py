@@ -115,32 +115,14 @@ def _paired(
 
 
 def summarise(rows: list[dict[str, Any]], opts: Options) -> dict[str, Any]:
-    by_cell: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
-    for row in rows:
-        if row["round"] > 0:
-            by_cell.setdefault((row["config"], row["size"], row["concurrency"]), []).append(row)
-    cells = []
-    for (config, size, level), group in by_cell.items():
-        cell: dict[str, Any] = {
-            "config": config,
-            "size": size,
-            "concurrency": level,
-            "rounds": len(group),
-            "ok": sum(r.get("ok", 0) for r in group),
-            "failed": sum(r.get("failed", 0) for r in group),
-            "paired": sum(r.get("paired", 0) for r in group),
-        }
-        for name in CELL_METRICS:
-            cell[name] = spread([metric(r, name) for r in group])
-        cells.append(cell)
+    cells = _cells(rows)
     index = {(r["config"], r["size"], r["concurrency"], r["round"]): r for r in rows}
     versus = [
         _versus(index, a, b, size, level)
         for a, b in VERSUS
         for size in opts.sizes
         for level in opts.concurrency
-        if any(key[:3] == (a, size, level) for key in index)
-        and any(key[:3] == (b, size, level) for key in index)
+        if _measured(index, a, size, level) and _measured(index, b, size, level)
     ]
     derived = [
         _derive(index, size, level, opts) for size in opts.sizes for level in opts.concurrency
@@ -149,6 +131,34 @@ def summarise(rows: list[dict[str, Any]], opts: Options) -> dict[str, Any]:
     summary["headline"] = headline(versus, opts)
     summary["targets"] = judge(derived, opts, versus)
     return summary
+
+
+def _measured(rows: Rows, config: str, size: int, level: int) -> bool:
+    return any(key[:3] == (config, size, level) for key in rows)
+
+
+def _cells(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One summary per (config, size, concurrency) over the measured rounds (not preflight)."""
+    by_cell: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["round"] > 0:
+            by_cell.setdefault((row["config"], row["size"], row["concurrency"]), []).append(row)
+    return [_cell(config, size, level, group) for (config, size, level), group in by_cell.items()]
+
+
+def _cell(config: str, size: int, level: int, group: list[dict[str, Any]]) -> dict[str, Any]:
+    cell: dict[str, Any] = {
+        "config": config,
+        "size": size,
+        "concurrency": level,
+        "rounds": len(group),
+        "ok": sum(r.get("ok", 0) for r in group),
+        "failed": sum(r.get("failed", 0) for r in group),
+        "paired": sum(r.get("paired", 0) for r in group),
+    }
+    for name in CELL_METRICS:
+        cell[name] = spread([metric(r, name) for r in group])
+    return cell
 
 
 def _versus(rows: Rows, a: str, b: str, size: int, level: int) -> dict[str, Any]:
@@ -197,35 +207,49 @@ def _derive(rows: Rows, size: int, level: int, opts: Options) -> dict[str, Any]:
     prefill_ms = opts.sim.prefill_compute_ms(size)
     out: dict[str, Any] = {"size": size, "concurrency": level, "prefill_compute_ms": prefill_ms}
     for q in ("p50", "p99"):
-        name = f"ttft_{q}_ms"
-        rounds = sorted({k[3] for k in rows if k[:3] == ("pdproc", size, level)})
-        added: dict[int, float] = {}
-        floor: dict[int, float] = {}
-        for rnd in rounds:
-            p = metric(rows.get(("pdproc", size, level, rnd)), name)
-            e = metric(rows.get(("envoy", size, level, rnd)), name)
-            d = metric(rows.get(("direct-pd", size, level, rnd)), name)
-            c = metric(rows.get(("direct", size, level, rnd)), name)
-            if p is not None and e is not None:
-                added[rnd] = p - e
-            if d is not None and c is not None:
-                floor[rnd] = d - c
-        out[f"added_ttft_{q}_ms"] = spread(list(added.values()))
-        # Any P/D path waits for the prefill's compute; subtracting it leaves transport + proxy.
-        out[f"added_ttft_{q}_net_prefill_ms"] = spread([a - prefill_ms for a in added.values()])
-        # What P/D costs with no proxy at all (direct-pd over direct): a perfect router's floor.
-        out[f"pd_floor_ttft_{q}_ms"] = spread(list(floor.values()))
-        out[f"added_ttft_{q}_net_pd_floor_ms"] = spread(
-            [added[rnd] - floor[rnd] for rnd in added if rnd in floor]
-        )
-        pairs = _paired(rows, "pdproc", "vllm-router", size, level, name)
-        out[f"pdproc_minus_router_ttft_{q}_ms"] = spread([p - r for p, r in pairs])
+        out.update(_added_ttft(rows, size, level, q, prefill_ms))
     for other, key in (
         ("envoy", "throughput_ratio_pdproc_envoy"),
         ("direct-pd", "throughput_ratio_pdproc_direct_pd"),
     ):
         pairs = _paired(rows, "pdproc", other, size, level, "rps")
         out[key] = spread([p / o for p, o in pairs if o])
+    return out
+
+
+def _added_ttft(rows: Rows, size: int, level: int, q: str, prefill_ms: float) -> dict[str, Any]:
+    """What pdproc adds to TTFT quantile `q` over Envoy alone, also net of the prefill's
+    compute and of the P/D floor, and against vllm-router."""
+    name = f"ttft_{q}_ms"
+    added = _round_differences(rows, ("pdproc", "envoy"), size, level, name)
+    floor = _round_differences(rows, ("direct-pd", "direct"), size, level, name)
+    pairs = _paired(rows, "pdproc", "vllm-router", size, level, name)
+    return {
+        f"added_ttft_{q}_ms": spread(list(added.values())),
+        # Any P/D path waits for the prefill's compute; subtracting it leaves transport + proxy.
+        f"added_ttft_{q}_net_prefill_ms": spread([a - prefill_ms for a in added.values()]),
+        # What P/D costs with no proxy at all (direct-pd over direct): a perfect router's floor.
+        f"pd_floor_ttft_{q}_ms": spread(list(floor.values())),
+        f"added_ttft_{q}_net_pd_floor_ms": spread(
+            [added[rnd] - floor[rnd] for rnd in added if rnd in floor]
+        ),
+        f"pdproc_minus_router_ttft_{q}_ms": spread([p - r for p, r in pairs]),
+    }
+
+
+def _round_differences(
+    rows: Rows, configs: tuple[str, str], size: int, level: int, name: str
+) -> dict[int, float]:
+    """Per round that pdproc ran: metric `name` of configs[0] minus configs[1], where both
+    have it."""
+    first, second = configs
+    rounds = sorted({k[3] for k in rows if k[:3] == ("pdproc", size, level)})
+    out: dict[int, float] = {}
+    for rnd in rounds:
+        x = metric(rows.get((first, size, level, rnd)), name)
+        y = metric(rows.get((second, size, level, rnd)), name)
+        if x is not None and y is not None:
+            out[rnd] = x - y
     return out
 
 

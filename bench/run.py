@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -534,58 +534,91 @@ def run_cell(
         row.update(ok=0, failed=n, errors={raw.get("error", "no result"): 1})
         return row
     ok = raw["ok"]
+    row.update(_load_figures(raw))
+    row.update(_cpu_figures(target, raw, first, second))
+    row.update(_pairing_figures(first, second), pd=target.pd)
+    if first.ext_proc and second.ext_proc and ok:
+        row.update(_ext_proc_messages(first, second, ok))
+    if first.processing is not None and second.processing is not None:
+        row["pdproc_processing_ms_mean"] = _processing_ms_mean(first.processing, second.processing)
+    return row
+
+
+def _load_figures(raw: dict[str, Any]) -> dict[str, Any]:
+    """What the load generator counted and timed."""
+    return {
+        "ok": raw["ok"],
+        "failed": raw["failed"],
+        "errors": raw["errors"],
+        "warmup_failed": raw["warmup_failed"],
+        "warmup_errors": raw["warmup_errors"],
+        "sent": raw["sent"],
+        "warmup_sent": raw["warmup_sent"],
+        "hit_time_limit": raw["hit_time_limit"],
+        "wall_s": raw["wall_s"],
+        "rps": raw["rps"],
+        "body_bytes": raw["body_bytes"],
+        "ttft_ms": _stats(raw["ttft_ms"]),
+        "e2e_ms": _stats(raw["e2e_ms"]),
+    }
+
+
+def _per_request_ms(seconds: float | None, ok: int) -> float | None:
+    return None if seconds is None or not ok else seconds * 1000 / ok
+
+
+def _proxy_total(per_req: dict[str, float | None], target: Target) -> float | None:
+    """The proxy roles' CPU per request added up; None when one of them is unknown."""
+    proxy = [per_req[role] for role in PROXY_ROLES if role in target.pids]
+    if not proxy or any(v is None for v in proxy):
+        return None
+    return sum(v for v in proxy if v is not None)
+
+
+def _cpu_figures(
+    target: Target, raw: dict[str, Any], first: Snapshot, second: Snapshot
+) -> dict[str, Any]:
+    """CPU per role over the measured phase, in total and per request, and the host's load."""
+    ok = raw["ok"]
     deltas = {role: cpu_delta(first.cpu[role], second.cpu[role]) for role in target.pids}
     cpu_s = {role: run for role, (run, _) in deltas.items()}
     cpu_s["client"] = raw["client_cpu_s"]
-    per_req = {role: None if s is None or not ok else s * 1000 / ok for role, s in cpu_s.items()}
+    per_req = {role: _per_request_ms(s, ok) for role, s in cpu_s.items()}
     # The same from /proc/<pid>/stat (10 ms ticks): a cross-check of the schedstat figures.
-    per_req_stat = {
-        role: None if s is None or not ok else s * 1000 / ok for role, (_, s) in deltas.items()
-    }
-    proxy = [per_req[role] for role in PROXY_ROLES if role in target.pids]
+    per_req_stat = {role: _per_request_ms(s, ok) for role, (_, s) in deltas.items()}
     busy = second.host[0] - first.host[0]
     total = second.host[1] - first.host[1]
+    return {
+        "cpu_s": cpu_s,
+        "cpu_ms_per_req": per_req,
+        "cpu_ms_per_req_stat": per_req_stat,
+        "proxy_cpu_ms_per_req": _proxy_total(per_req, target),
+        "host_busy": busy / total if total else None,
+    }
+
+
+def _pairing_figures(first: Snapshot, second: Snapshot) -> dict[str, Any]:
+    """Requests whose decode got its KV from a prefill, as the simulated decode counts them,
+    and the KV transfers it saw fail."""
     kv_ok = second.decode.get("kv_ok", 0) - first.decode.get("kv_ok", 0)
     failures_after = sum((second.decode.get("kv_failures") or {}).values())
     failures_before = sum((first.decode.get("kv_failures") or {}).values())
-    row.update(
-        ok=ok,
-        failed=raw["failed"],
-        errors=raw["errors"],
-        warmup_failed=raw["warmup_failed"],
-        warmup_errors=raw["warmup_errors"],
-        sent=raw["sent"],
-        warmup_sent=raw["warmup_sent"],
-        hit_time_limit=raw["hit_time_limit"],
-        wall_s=raw["wall_s"],
-        rps=raw["rps"],
-        body_bytes=raw["body_bytes"],
-        ttft_ms=_stats(raw["ttft_ms"]),
-        e2e_ms=_stats(raw["e2e_ms"]),
-        cpu_s=cpu_s,
-        cpu_ms_per_req=per_req,
-        cpu_ms_per_req_stat=per_req_stat,
-        proxy_cpu_ms_per_req=(
-            sum(v for v in proxy if v is not None)
-            if proxy and all(v is not None for v in proxy)
-            else None
-        ),
-        host_busy=busy / total if total else None,
-        # Requests whose decode got its KV from a prefill, as the simulated decode counts them.
-        paired=kv_ok,
-        kv_failures=failures_after - failures_before,
-        pd=target.pd,
-    )
-    if first.ext_proc and second.ext_proc and ok:
-        # Envoy -> processor (request headers, body, response headers ...) and back.
-        for key, label in (("stream_msgs_sent", "to"), ("stream_msgs_received", "from")):
-            messages = second.ext_proc.get(key, 0) - first.ext_proc.get(key, 0)
-            row[f"ext_proc_msgs_{label}_processor_per_req"] = messages / ok
-    if first.processing is not None and second.processing is not None:
-        count = second.processing[1] - first.processing[1]
-        spent = second.processing[0] - first.processing[0]
-        row["pdproc_processing_ms_mean"] = spent * 1000 / count if count else None
+    return {"paired": kv_ok, "kv_failures": failures_after - failures_before}
+
+
+def _ext_proc_messages(first: Snapshot, second: Snapshot, ok: int) -> dict[str, float]:
+    """Envoy -> processor (request headers, body, response headers ...) and back, per request."""
+    row: dict[str, float] = {}
+    for key, label in (("stream_msgs_sent", "to"), ("stream_msgs_received", "from")):
+        messages = second.ext_proc.get(key, 0) - first.ext_proc.get(key, 0)
+        row[f"ext_proc_msgs_{label}_processor_per_req"] = messages / ok
     return row
+
+
+def _processing_ms_mean(first: tuple[float, float], second: tuple[float, float]) -> float | None:
+    count = second[1] - first[1]
+    spent = second[0] - first[0]
+    return spent * 1000 / count if count else None
 
 
 def preflight(bench: Bench, opts: Options) -> None:
@@ -686,48 +719,79 @@ def run(opts: Options, workdir: Path) -> dict[str, Any]:
         preflight(bench, opts)
         results["meta"]["versions"] = bench.versions
         for name in opts.configs:
-            target = bench.targets.get(name)
-            results["configs"][name] = {
-                "status": "ok" if target else "skipped",
-                "reason": bench.skipped.get(name),
-                "description": DESCRIPTIONS[name],
-                "url": target.url if target else None,
-                "roles": sorted(target.pids) if target else [],
-            }
-            if not target:
-                print(f"skipping {name}: {bench.skipped.get(name)}", file=sys.stderr)
+            results["configs"][name] = _config_status(bench, name)
         names = [n for n in opts.configs if n in bench.targets]
         for rnd in range(1, opts.rounds + 1):
-            # Rotate the order every round so no configuration always runs first (cold) or last.
-            shift = (rnd - 1) % max(1, len(names))
-            order = names[shift:] + names[:shift]
-            for size in opts.sizes:
-                for level in opts.concurrency:
-                    if opts.max_cell_bytes and size * level > opts.max_cell_bytes:
-                        continue
-                    for name in order:
-                        if time.monotonic() > deadline:
-                            results["meta"]["truncated"] = True
-                            break
-                        row = run_cell(bench, bench.targets[name], size, level, opts, rnd)
-                        results["runs"].append(row)
-                        print(_progress(row), file=sys.stderr, flush=True)
+            _run_round(bench, opts, results, _rotated(names, rnd), rnd, deadline)
             write_outputs(results, opts, final=False)
         results["meta"]["measured_s"] = round(time.monotonic() - started, 2)
         if opts.profile_s > 0:
-            print(f"profiling for {opts.profile_s:g} s each ...", file=sys.stderr, flush=True)
-
-            def cell(target: Target, requests: int, time_limit_s: float) -> dict[str, Any]:
-                quick = replace(opts, time_limit_s=time_limit_s)
-                size, level = opts.profile_size, opts.profile_concurrency
-                return run_cell(bench, target, size, level, quick, 0, requests=requests)
-
-            results["profile"] = profile.profile_processors(
-                bench, opts.out, opts.profile_s, opts.profile_size, opts.profile_concurrency, cell
-            )
+            results["profile"] = _profile(bench, opts)
     results["meta"]["loadavg_end"] = loadavg()
     results["meta"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return results
+
+
+def _config_status(bench: Bench, name: str) -> dict[str, Any]:
+    """How a configuration fared at start and preflight (said on stderr when skipped)."""
+    target = bench.targets.get(name)
+    if not target:
+        print(f"skipping {name}: {bench.skipped.get(name)}", file=sys.stderr)
+    return {
+        "status": "ok" if target else "skipped",
+        "reason": bench.skipped.get(name),
+        "description": DESCRIPTIONS[name],
+        "url": target.url if target else None,
+        "roles": sorted(target.pids) if target else [],
+    }
+
+
+def _rotated(names: list[str], rnd: int) -> list[str]:
+    """Rotate the order every round so no configuration always runs first (cold) or last."""
+    shift = (rnd - 1) % max(1, len(names))
+    return names[shift:] + names[:shift]
+
+
+def _cells(opts: Options, order: list[str]) -> Iterator[tuple[int, int, str]]:
+    """One round's cells (size, concurrency, configuration), without those over
+    --max-cell-bytes."""
+    for size in opts.sizes:
+        for level in opts.concurrency:
+            if opts.max_cell_bytes and size * level > opts.max_cell_bytes:
+                continue
+            for name in order:
+                yield size, level, name
+
+
+def _run_round(
+    bench: Bench,
+    opts: Options,
+    results: dict[str, Any],
+    order: list[str],
+    rnd: int,
+    deadline: float,
+) -> None:
+    """Measure one round's cells, until the budget's deadline (then the run is truncated)."""
+    for size, level, name in _cells(opts, order):
+        if time.monotonic() > deadline:
+            results["meta"]["truncated"] = True
+            return
+        row = run_cell(bench, bench.targets[name], size, level, opts, rnd)
+        results["runs"].append(row)
+        print(_progress(row), file=sys.stderr, flush=True)
+
+
+def _profile(bench: Bench, opts: Options) -> dict[str, Any]:
+    print(f"profiling for {opts.profile_s:g} s each ...", file=sys.stderr, flush=True)
+
+    def cell(target: Target, requests: int, time_limit_s: float) -> dict[str, Any]:
+        quick = replace(opts, time_limit_s=time_limit_s)
+        size, level = opts.profile_size, opts.profile_concurrency
+        return run_cell(bench, target, size, level, quick, 0, requests=requests)
+
+    return profile.profile_processors(
+        bench, opts.out, opts.profile_s, opts.profile_size, opts.profile_concurrency, cell
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

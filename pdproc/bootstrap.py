@@ -26,6 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import orjson
@@ -76,6 +77,18 @@ def parse_engine_map(payload: bytes) -> EngineMap:
     answer is refused, as llm-d does. Keys must be integers: vLLM parses the rank header with
     `int()` and would silently ignore anything else, sending the prefill to a random rank.
     """
+    engines: EngineMap = {}
+    for key, entry in _query_object(payload).items():
+        engine_id = _rank_engine_id(key, entry)
+        if engine_id is not None:
+            engines[int(key)] = engine_id
+    if not engines:
+        raise BootstrapError("engine_id not found in bootstrap response")
+    return engines
+
+
+def _query_object(payload: bytes) -> dict[str, Any]:
+    """The answer as a JSON object of at most MAX_RANKS ranks, or BootstrapError."""
     if len(payload) > MAX_QUERY_BYTES:
         raise BootstrapError(f"bootstrap response larger than {MAX_QUERY_BYTES} bytes")
     try:
@@ -86,25 +99,25 @@ def parse_engine_map(payload: bytes) -> EngineMap:
         raise BootstrapError("failed to parse bootstrap response: not a JSON object")
     if len(data) > MAX_RANKS:
         raise BootstrapError(f"bootstrap response lists more than {MAX_RANKS} ranks")
-    engines: EngineMap = {}
-    for key, entry in data.items():
-        if entry is None:
-            continue
-        if not isinstance(entry, dict):
-            raise BootstrapError(
-                f"failed to parse bootstrap response: rank {shown(key)} is not an object"
-            )
-        engine_id = entry.get("engine_id")
-        if not isinstance(engine_id, str) or not engine_id:
-            continue
-        if len(engine_id) > MAX_ENGINE_ID_CHARS:
-            raise BootstrapError("failed to parse bootstrap response: engine_id too long")
-        if not (key.isascii() and key.isdigit()):
-            continue
-        engines[int(key)] = engine_id
-    if not engines:
-        raise BootstrapError("engine_id not found in bootstrap response")
-    return engines
+    return data
+
+
+def _rank_engine_id(key: str, entry: object) -> str | None:
+    """One rank's engine id; None for a rank to skip (null, no id yet, key not an integer)."""
+    if entry is None:
+        return None
+    if not isinstance(entry, dict):
+        raise BootstrapError(
+            f"failed to parse bootstrap response: rank {shown(key)} is not an object"
+        )
+    engine_id = entry.get("engine_id")
+    if not isinstance(engine_id, str) or not engine_id:
+        return None
+    if len(engine_id) > MAX_ENGINE_ID_CHARS:
+        raise BootstrapError("failed to parse bootstrap response: engine_id too long")
+    if not (key.isascii() and key.isdigit()):
+        return None
+    return engine_id
 
 
 class Siblings:

@@ -7,7 +7,8 @@ headers still held sets `content-length`; modes in a `mode_override` are absolut
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from collections.abc import Mapping
+from typing import Any, TypeAlias
 
 from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from pdproc._proto.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import (
@@ -221,6 +222,10 @@ def header_dict(headers: pb.HttpHeaders) -> dict[str, str]:
     return out
 
 
+# Attributes that stand for a header of their own name in pdproc's view of the request.
+_NAMED_ATTRIBUTES = (("request.method", ":method"), ("request.id", "x-request-id"))
+
+
 def headers_from_attributes(request: pb.ProcessingRequest) -> dict[str, str] | None:
     """The headers pdproc needs, rebuilt from the attributes and metadata Envoy sent with
     the body message; None when there are none (the filter is in two-message mode)."""
@@ -229,22 +234,38 @@ def headers_from_attributes(request: pb.ProcessingRequest) -> dict[str, str] | N
         return None
     fields = attributes.fields
     headers = {":path": fields["request.path"].string_value}
-    if "request.method" in fields:
-        headers[":method"] = fields["request.method"].string_value
-    if "request.id" in fields:
-        headers["x-request-id"] = fields["request.id"].string_value
-    # Whatever headers the filter lists (`request.headers['<name>']`), not only the defaults.
+    for attribute, header in _NAMED_ATTRIBUTES:
+        if attribute in fields:
+            headers[header] = fields[attribute].string_value
+    headers.update(_listed_headers(fields))
+    prefill = _prefill_from_metadata(request)
+    if prefill is not None:
+        headers[PREFILL_HEADER] = prefill
+    return headers
+
+
+def _listed_headers(fields: Mapping[str, Any]) -> dict[str, str]:
+    """Whatever headers the filter lists (`request.headers['<name>']`), not only the defaults;
+    never a pseudo-header."""
+    headers: dict[str, str] = {}
     for expression, value in fields.items():
         if expression.startswith(_HEADER_ATTRIBUTE) and expression.endswith("']"):
             name = expression[len(_HEADER_ATTRIBUTE) : -2].lower()
             if name and not name.startswith(":"):
                 headers[name] = value.string_value
-    metadata = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
-    if metadata is not None and METADATA_PREFILL_KEY in metadata.fields:
-        headers[PREFILL_HEADER] = metadata.fields[METADATA_PREFILL_KEY].string_value
-    elif metadata is not None and METADATA_PREFILL_PRESENT_KEY in metadata.fields:
-        headers[PREFILL_HEADER] = ""
     return headers
+
+
+def _prefill_from_metadata(request: pb.ProcessingRequest) -> str | None:
+    """The endpoint picker's prefill target from the dynamic metadata: the target, "" when
+    it says one is present but gives none, None when it says nothing."""
+    metadata = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
+    fields = metadata.fields if metadata is not None else {}
+    if METADATA_PREFILL_KEY in fields:
+        return str(fields[METADATA_PREFILL_KEY].string_value)
+    if METADATA_PREFILL_PRESENT_KEY in fields:
+        return ""
+    return None
 
 
 def status_of(headers: pb.HttpHeaders) -> str:

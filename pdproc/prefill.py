@@ -241,11 +241,6 @@ class PrefillLauncher:
     async def _exchange(
         self, job: PrefillJob, headers: dict[str, str], body: aiohttp.BytesPayload
     ) -> None:
-        def settle(outcome: PrefillResult, **kw: Any) -> None:
-            if not job.outcome.done():
-                duration = time.perf_counter() - job.started
-                job.outcome.set_result(PrefillOutcome(outcome, duration, **kw))
-
         url = job.target.url() + job.path
         try:
             async with asyncio.timeout(self._timeout_s) as deadline:
@@ -253,54 +248,33 @@ class PrefillLauncher:
                     url, data=body, headers=headers, allow_redirects=False
                 )
                 async with response:
-                    status = response.status
-                    if job.keep_answer and not 300 <= status < 400:
-                        answer = await read_at_most(response.content, MAX_ANSWER_BYTES)
-                        if len(answer) > MAX_ANSWER_BYTES:
-                            settle(PrefillResult.ERROR, status=status, error="answer too large")
-                            return
-                        kind = PrefillResult.of_status(status)
-                        settle(
-                            kind,
-                            status=status,
-                            error=None if kind is PrefillResult.OK else f"status {status}",
-                            answer=answer,
-                            content_type=response.headers.get("content-type"),
-                        )
-                        return
-                    if 200 <= status < 300:
-                        settle(PrefillResult.OK, status=status)
-                        # Read the (small) rest so the connection can be reused: bounded in
-                        # size and time, and the outcome is already known.
-                        deadline.reschedule(min(deadline.when() or 0.0, _now() + DRAIN_TIMEOUT_S))
-                        await discard(response.content, MAX_SUCCESS_BODY_BYTES)
-                        return
-                    excerpt = await response.content.read(ERROR_EXCERPT_BYTES)
-                    kind = PrefillResult.of_status(status)
-                    note = " (redirects are not followed)" if kind is PrefillResult.REDIRECT else ""
-                    settle(
-                        kind,
-                        status=status,
-                        error=f"status {status}{note}",
-                        detail=excerpt.decode("utf-8", "replace"),
-                    )
+                    await _read_answer(job, response, deadline)
         except TimeoutError:
-            settle(PrefillResult.TIMEOUT, error=f"no answer in {self._timeout_s:g}s")
+            _settle(job, PrefillResult.TIMEOUT, error=f"no answer in {self._timeout_s:g}s")
         except (aiohttp.ClientError, OSError) as exc:
-            if locally_exhausted(exc):
-                settle(PrefillResult.EXHAUSTED, error=f"pdproc is out of resources: {exc}")
-            elif isinstance(exc, aiohttp.ClientConnectorError):
-                settle(PrefillResult.CONNECT_ERROR, error=str(exc))
-            else:
-                settle(PrefillResult.ERROR, error=type(exc).__name__)
+            kind, error = _client_failure(exc)
+            _settle(job, kind, error=error)
         except asyncio.CancelledError:
-            settle(PrefillResult.CANCELLED, error="prefill cancelled")
+            _settle(job, PrefillResult.CANCELLED, error="prefill cancelled")
             raise
         except Exception as exc:  # a bug must still end as a counted, logged outcome
             log.exception("prefill task crashed")
-            settle(PrefillResult.INTERNAL, error=f"internal error: {type(exc).__name__}")
+            _settle(job, PrefillResult.INTERNAL, error=f"internal error: {type(exc).__name__}")
 
     def _finished(self, job: PrefillJob) -> None:
+        left = self._release(job)
+        self._metrics.prefill_finished(job.target, max(left, 0))
+        outcome = job.outcome.result()
+        if job.span is not None:
+            _end_span(job.span, outcome)
+        self._metrics.prefills.labels(outcome.outcome).inc()
+        self._metrics.prefill_seconds.observe(outcome.duration_s)
+        self._log_outcome(job, outcome)
+        if self._on_outcome is not None:
+            self._on_outcome(job, outcome)
+
+    def _release(self, job: PrefillJob) -> int:
+        """Take the finished job off its target's (and rank's) count; what its target has left."""
         self._per_target[job.target] -= 1
         left = self._per_target[job.target]
         if left <= 0:
@@ -313,18 +287,9 @@ class PrefillLauncher:
                 del ranks[rank]
                 if not ranks:
                     del self._per_rank[job.target]
-        self._metrics.prefill_finished(job.target, max(left, 0))
-        outcome = job.outcome.result()
-        if job.span is not None:
-            job.span.set_attribute(ATTR_PREFILL_OUTCOME, outcome.outcome.value)
-            job.span.set_attribute(ATTR_DURATION_MS, round(outcome.duration_s * 1000, 3))
-            if outcome.status is not None:
-                job.span.set_attribute(ATTR_STATUS, outcome.status)
-            if not outcome.ok:
-                fail(job.span, outcome.error or outcome.outcome.value)
-            job.span.end()
-        self._metrics.prefills.labels(outcome.outcome).inc()
-        self._metrics.prefill_seconds.observe(outcome.duration_s)
+        return left
+
+    def _log_outcome(self, job: PrefillJob, outcome: PrefillOutcome) -> None:
         fields = {
             "request_id": job.request_id,
             "prefill_target": str(job.target),
@@ -341,8 +306,6 @@ class PrefillLauncher:
             if self._log_bodies and outcome.detail:
                 fields["prefill_error_body"] = outcome.detail
             log.warning("pd request prefill failed: %s", outcome.error, extra=fields)
-        if self._on_outcome is not None:
-            self._on_outcome(job, outcome)
 
     async def drain(self, timeout_s: float) -> int:
         """Wait for in-flight prefills (shutdown). Returns how many were still running."""
@@ -351,6 +314,83 @@ class PrefillLauncher:
             _, still = await asyncio.wait(pending, timeout=timeout_s)
             return len(still)
         return 0
+
+
+def _settle(job: PrefillJob, outcome: PrefillResult, **kw: Any) -> None:
+    """Give the job its outcome, unless something settled it first."""
+    if not job.outcome.done():
+        duration = time.perf_counter() - job.started
+        job.outcome.set_result(PrefillOutcome(outcome, duration, **kw))
+
+
+async def _read_answer(
+    job: PrefillJob, response: aiohttp.ClientResponse, deadline: asyncio.Timeout
+) -> None:
+    """Settle the job from the prefill's answer."""
+    status = response.status
+    if job.keep_answer and not 300 <= status < 400:
+        await _keep_answer(job, response)
+    elif 200 <= status < 300:
+        _settle(job, PrefillResult.OK, status=status)
+        # Read the (small) rest so the connection can be reused: bounded in size and time,
+        # and the outcome is already known.
+        deadline.reschedule(min(deadline.when() or 0.0, _now() + DRAIN_TIMEOUT_S))
+        await discard(response.content, MAX_SUCCESS_BODY_BYTES)
+    else:
+        await _settle_refusal(job, response)
+
+
+async def _keep_answer(job: PrefillJob, response: aiohttp.ClientResponse) -> None:
+    """Settle with the whole (bounded) answer, for a connector that reads it."""
+    status = response.status
+    answer = await read_at_most(response.content, MAX_ANSWER_BYTES)
+    if len(answer) > MAX_ANSWER_BYTES:
+        _settle(job, PrefillResult.ERROR, status=status, error="answer too large")
+        return
+    kind = PrefillResult.of_status(status)
+    _settle(
+        job,
+        kind,
+        status=status,
+        error=None if kind is PrefillResult.OK else f"status {status}",
+        answer=answer,
+        content_type=response.headers.get("content-type"),
+    )
+
+
+async def _settle_refusal(job: PrefillJob, response: aiohttp.ClientResponse) -> None:
+    """Settle a non-2xx answer with its status and the start of its body."""
+    status = response.status
+    excerpt = await response.content.read(ERROR_EXCERPT_BYTES)
+    kind = PrefillResult.of_status(status)
+    note = " (redirects are not followed)" if kind is PrefillResult.REDIRECT else ""
+    _settle(
+        job,
+        kind,
+        status=status,
+        error=f"status {status}{note}",
+        detail=excerpt.decode("utf-8", "replace"),
+    )
+
+
+def _client_failure(exc: aiohttp.ClientError | OSError) -> tuple[PrefillResult, str]:
+    """What a failed connection or exchange says: pdproc's own exhaustion, a pod that cannot
+    be reached, or another error."""
+    if locally_exhausted(exc):
+        return PrefillResult.EXHAUSTED, f"pdproc is out of resources: {exc}"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return PrefillResult.CONNECT_ERROR, str(exc)
+    return PrefillResult.ERROR, type(exc).__name__
+
+
+def _end_span(span: Span, outcome: PrefillOutcome) -> None:
+    span.set_attribute(ATTR_PREFILL_OUTCOME, outcome.outcome.value)
+    span.set_attribute(ATTR_DURATION_MS, round(outcome.duration_s * 1000, 3))
+    if outcome.status is not None:
+        span.set_attribute(ATTR_STATUS, outcome.status)
+    if not outcome.ok:
+        fail(span, outcome.error or outcome.outcome.value)
+    span.end()
 
 
 def _now() -> float:

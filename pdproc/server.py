@@ -75,11 +75,12 @@ class Server:
         self._dns: DnsPool | None = None
         self._breaker_sweep: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
+    async def _new_service(self, client: aiohttp.ClientSession) -> ExtProcService:
+        """The ext_proc service and what it shares between streams (engine maps, breakers,
+        the prefill launcher, the DNS pool), with the breakers' sweep running."""
         s = self.settings
-        self._client = new_session(s.max_prefill_connections)
         engines = EngineMaps(
-            self._client,
+            client,
             self.metrics,
             port=s.mooncake_bootstrap_port,
             timeout_s=s.bootstrap_timeout,
@@ -96,7 +97,7 @@ class Server:
             max_targets=s.max_targets,
         )
         launcher = PrefillLauncher(
-            self._client,
+            client,
             self.metrics,
             timeout_s=s.prefill_timeout,
             tracing=self.tracing,
@@ -106,7 +107,7 @@ class Server:
         self._dns = DnsPool(s.prefill_dns, s.dns_refresh) if s.prefill_dns else None
         if self._dns is not None:
             await self._dns.start()
-        self.service = ExtProcService(
+        service = ExtProcService(
             s,
             connector_for(s),
             engines,
@@ -117,25 +118,13 @@ class Server:
             dns_pool=self._dns,
         )
         self._breaker_sweep = asyncio.get_running_loop().create_task(_sweep(breakers))
-        if not s.prefill and not s.prefill_dns and s.prefill_allow == AllowList():
-            log.warning(
-                "no prefill pool and an empty --prefill-allow: every request is served by "
-                "the decode alone, and every x-prefiller-host-port target is refused"
-            )
-        if s.engine_cache_ttl >= RESTART_S:
-            log.warning(
-                "--engine-cache-ttl is not under a prefill engine's restart time (%g s): a "
-                "request may be paired with an engine id its restarted pod no longer has, "
-                "and its decode wait silently for vLLM's abort timeout",
-                RESTART_S,
-                extra={"engine_cache_ttl": s.engine_cache_ttl},
-            )
-        if s.drain_timeout < s.prefill_timeout + 1:
-            log.warning(
-                "--drain-timeout is shorter than --prefill-timeout + 1 s: prefills still "
-                "running at the end of a drain are abandoned",
-                extra={"drain_timeout": s.drain_timeout, "prefill_timeout": s.prefill_timeout},
-            )
+        return service
+
+    async def start(self) -> None:
+        s = self.settings
+        self._client = new_session(s.max_prefill_connections)
+        self.service = await self._new_service(self._client)
+        _warn_about_settings(s)
 
         server = grpc.aio.server(
             options=[
@@ -148,16 +137,7 @@ class Server:
         pb_grpc.add_ExternalProcessorServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         listen = str(s.listen)
-        credentials = _server_credentials(s)
-        try:
-            if credentials is None:
-                self.port = server.add_insecure_port(listen)
-            else:
-                self.port = server.add_secure_port(listen, credentials)
-        except RuntimeError:
-            self.port = 0  # grpcio raises where older releases returned 0
-        if not self.port:
-            raise PortInUse(f"--listen {listen}: cannot listen there (port in use?)")
+        self.port = _bind(server, listen, _server_credentials(s))
         await server.start()
         self._server = server
         for name in ("", EXT_PROC_SERVICE):
@@ -169,7 +149,7 @@ class Server:
             extra={
                 "listen": listen,
                 "port": self.port,
-                "tls": "mtls" if s.tls_client_ca else "tls" if s.tls_cert else "off",
+                "tls": _tls_mode(s),
                 "metrics_port": self.metrics_port,
                 "kv_connector": s.kv_connector.value,
             },
@@ -236,6 +216,13 @@ class Server:
             left = await self.service.launcher.drain(max(0.0, deadline - loop.time()))
             if left:
                 log.error("shutdown abandoned %d in-flight prefills", left)
+        await self._close()
+        log.info("pdproc stopped", extra={"abandoned_prefills": left})
+        return left
+
+    async def _close(self) -> None:
+        """Release what start() made, after the drain: DNS refresh, sweep, HTTP client,
+        metrics endpoint, and the spans still queued."""
         if self._dns is not None:
             await self._dns.stop()
         if self._breaker_sweep is not None:
@@ -246,8 +233,6 @@ class Server:
             await self._web.cleanup()
         if self._tracer_provider is not None:
             await _flush_traces(self._tracer_provider, self.settings.trace_flush_timeout)
-        log.info("pdproc stopped", extra={"abandoned_prefills": left})
-        return left
 
     async def serve_forever(self) -> int:
         await self.start()
@@ -265,6 +250,50 @@ class Server:
         lame_duck = min(self.settings.shutdown_delay, self.settings.drain_timeout)
         left = await self.stop(lame_duck_s=lame_duck)
         return 1 if left else 0
+
+
+def _warn_about_settings(s: Settings) -> None:
+    """Log the settings that work but serve worse than their operator probably meant."""
+    if not s.prefill and not s.prefill_dns and s.prefill_allow == AllowList():
+        log.warning(
+            "no prefill pool and an empty --prefill-allow: every request is served by "
+            "the decode alone, and every x-prefiller-host-port target is refused"
+        )
+    if s.engine_cache_ttl >= RESTART_S:
+        log.warning(
+            "--engine-cache-ttl is not under a prefill engine's restart time (%g s): a "
+            "request may be paired with an engine id its restarted pod no longer has, "
+            "and its decode wait silently for vLLM's abort timeout",
+            RESTART_S,
+            extra={"engine_cache_ttl": s.engine_cache_ttl},
+        )
+    if s.drain_timeout < s.prefill_timeout + 1:
+        log.warning(
+            "--drain-timeout is shorter than --prefill-timeout + 1 s: prefills still "
+            "running at the end of a drain are abandoned",
+            extra={"drain_timeout": s.drain_timeout, "prefill_timeout": s.prefill_timeout},
+        )
+
+
+def _bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Add the ext_proc port (TLS when `credentials`); the port bound, or PortInUse."""
+    port: int
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, credentials)
+    except RuntimeError:
+        port = 0  # grpcio raises where older releases returned 0
+    if not port:
+        raise PortInUse(f"--listen {listen}: cannot listen there (port in use?)")
+    return port
+
+
+def _tls_mode(s: Settings) -> str:
+    if s.tls_client_ca:
+        return "mtls"
+    return "tls" if s.tls_cert else "off"
 
 
 def _siblings() -> Siblings | None:

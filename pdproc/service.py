@@ -23,7 +23,15 @@ from pdproc.discovery import DnsPool
 from pdproc.errors import ErrorKind, ErrorReply, shown
 from pdproc.ledger import Ledger
 from pdproc.metrics import Metrics, Outcome
-from pdproc.picker import BadRequest, Chosen, Forbidden, NoTarget, Unavailable, pick_target
+from pdproc.picker import (
+    BadRequest,
+    Chosen,
+    Forbidden,
+    NoTarget,
+    Pick,
+    Unavailable,
+    pick_target,
+)
 from pdproc.prefill import NOT_THE_POD, OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.processors import (
     Abort,
@@ -105,18 +113,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """What this request is, decided from its headers."""
         path = headers.get(":path", "").split("?", 1)[0]
         method = headers.get(":method", "")
-        client_id = headers.get(REQUEST_ID)
-        replaced = bool(client_id) and not is_plain(client_id or "")
-        if replaced:
-            # Logs, spans and the prefill leg never carry the client's raw value.
-            headers[REQUEST_ID] = new_request_id()
-            log.info(
-                "client x-request-id replaced: not a plain token of at most 128 characters",
-                extra={
-                    "request_id": headers[REQUEST_ID],
-                    "client_request_id": shown(client_id or ""),
-                },
-            )
+        replaced = _replace_unplain_request_id(headers)
         span = self.tracing.request_span(headers, path, method, call_metadata)
         context = RequestContext(
             headers,
@@ -130,7 +127,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return PassThrough(context)
         if self.draining:
             return DecodeOnly(context, self.deps, Outcome.PASSTHROUGH)
-        pick = pick_target(
+        return self._processor_for(self._pick(headers), context, abort)
+
+    def _pick(self, headers: Mapping[str, str]) -> Pick:
+        return pick_target(
             headers.get(PREFILL_HEADER),
             self.pool(),
             allow=self.settings.prefill_allow,
@@ -138,18 +138,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             breaker_allows=self.breakers.allow,
             in_flight=self.launcher.in_flight,
         )
+
+    def _processor_for(self, pick: Pick, context: RequestContext, abort: Abort) -> RequestProcessor:
+        """The processor that follows the picker's answer."""
         match pick:
             case Chosen(target, from_pool):
-                # Pool mode may leave a short prompt to the decode; an endpoint picker's
-                # choice is kept.
-                min_prompt = self.settings.pd_min_prompt if from_pool else 0
-                # The pair follows the connector's kind.
-                connector = self.connector
-                if isinstance(connector, Concurrent):
-                    return ConcurrentPair(
-                        context, self.deps, connector, target, abort, min_prompt=min_prompt
-                    )
-                return SequentialPair(context, self.deps, connector, target, min_prompt=min_prompt)
+                return self._pair(context, target, abort, from_pool=from_pool)
             case NoTarget():
                 return DecodeOnly(context, self.deps, Outcome.PASSTHROUGH)
             case Unavailable(reason):
@@ -160,6 +154,19 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 return Rejected(context, ErrorReply(ErrorKind.FORBIDDEN, reason))
             case BadRequest(reason):
                 return Rejected(context, ErrorReply(ErrorKind.BAD_REQUEST, reason))
+
+    def _pair(
+        self, context: RequestContext, target: HostPort, abort: Abort, *, from_pool: bool
+    ) -> RequestProcessor:
+        """The prefill/decode pair for `target`, of the connector's kind."""
+        # Pool mode may leave a short prompt to the decode; an endpoint picker's choice is kept.
+        min_prompt = self.settings.pd_min_prompt if from_pool else 0
+        connector = self.connector
+        if isinstance(connector, Concurrent):
+            return ConcurrentPair(
+                context, self.deps, connector, target, abort, min_prompt=min_prompt
+            )
+        return SequentialPair(context, self.deps, connector, target, min_prompt=min_prompt)
 
     def ledger(self, path: str) -> Ledger:
         """A ledger for a stream that never became a request (its first message unreadable,
@@ -190,6 +197,20 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return target in self._static_pool or (
             self.dns_pool is not None and target in self.dns_pool.members
         )
+
+
+def _replace_unplain_request_id(headers: dict[str, str]) -> bool:
+    """Replace a client x-request-id that is not a plain token; whether it was replaced.
+    Logs, spans and the prefill leg never carry the client's raw value."""
+    client_id = headers.get(REQUEST_ID)
+    if not client_id or is_plain(client_id):
+        return False
+    headers[REQUEST_ID] = new_request_id()
+    log.info(
+        "client x-request-id replaced: not a plain token of at most 128 characters",
+        extra={"request_id": headers[REQUEST_ID], "client_request_id": shown(client_id)},
+    )
+    return True
 
 
 def pod_feedback(breakers: CircuitBreakers, engines: EngineMaps) -> OutcomeHook:

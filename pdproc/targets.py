@@ -63,29 +63,38 @@ def parse_host_port(value: str) -> HostPort:
     if text.startswith("http://"):
         text = text[len("http://") :]
     text = text.rstrip("/")
-    if text.startswith("["):
-        end = text.find("]")
-        if end < 0 or not text[end + 1 :].startswith(":"):
-            raise TargetError(f"invalid prefill target {shown(value)}: expected [ipv6]:port")
-        host, port_text = text[1:end], text[end + 2 :]
-        try:
-            if "%" in host:
-                raise ValueError("zone ids are not pod addresses")
-            address = ipaddress.IPv6Address(host)
-        except ValueError:
-            raise TargetError(f"invalid prefill target {shown(value)}: bad IPv6 address") from None
-        host = str(address)
-    else:
-        host, sep, port_text = text.rpartition(":")
-        if not sep or not host:
-            raise TargetError(f"invalid prefill target {shown(value)}: expected host:port")
-        if ":" in host:
-            raise TargetError(f"invalid prefill target {shown(value)}: IPv6 needs brackets")
-        if not _HOST.fullmatch(host):
-            raise TargetError(f"invalid prefill target {shown(value)}: bad host")
+    split = _split_bracketed if text.startswith("[") else _split_named
+    host, port_text = split(text, value)
     if not _PORT.fullmatch(port_text) or not 0 < int(port_text) < 65536:
         raise TargetError(f"invalid prefill target {shown(value)}: bad port")
     return HostPort(host.lower(), int(port_text))
+
+
+def _split_bracketed(text: str, value: str) -> tuple[str, str]:
+    """`[v6]:port` -> (the IPv6 address, written canonically, the port's text)."""
+    end = text.find("]")
+    if end < 0 or not text[end + 1 :].startswith(":"):
+        raise TargetError(f"invalid prefill target {shown(value)}: expected [ipv6]:port")
+    host, port_text = text[1:end], text[end + 2 :]
+    try:
+        if "%" in host:
+            raise ValueError("zone ids are not pod addresses")
+        address = ipaddress.IPv6Address(host)
+    except ValueError:
+        raise TargetError(f"invalid prefill target {shown(value)}: bad IPv6 address") from None
+    return str(address), port_text
+
+
+def _split_named(text: str, value: str) -> tuple[str, str]:
+    """`host:port` (a DNS name or an IPv4 address) -> (host, the port's text)."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise TargetError(f"invalid prefill target {shown(value)}: expected host:port")
+    if ":" in host:
+        raise TargetError(f"invalid prefill target {shown(value)}: IPv6 needs brackets")
+    if not _HOST.fullmatch(host):
+        raise TargetError(f"invalid prefill target {shown(value)}: bad host")
+    return host, port_text
 
 
 def target_from_header(values: Iterable[str]) -> HostPort | None:

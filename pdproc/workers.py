@@ -91,43 +91,66 @@ def run_workers(settings: Settings) -> int:
     metrics_dir = tempfile.mkdtemp(prefix="pdproc-metrics-")
     # Set before any worker starts: prometheus_client picks its storage at import time.
     os.environ[MULTIPROC_ENV] = metrics_dir
-    context = multiprocessing.get_context("spawn")
-    stopping: list[int] = []
+    count = worker_count(settings)
+    supervisor = _Supervisor(worker_settings(settings, count))
+    supervisor.start_all(count)
+    signal.signal(signal.SIGTERM, supervisor.forward)
+    signal.signal(signal.SIGINT, supervisor.forward)
+    log.info("pdproc workers started", extra={"workers": [p.pid for p in supervisor.workers]})
+    try:
+        supervisor.supervise()
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    return supervisor.exit_code()
 
-    def start(index: int) -> BaseProcess:
-        process = context.Process(target=_worker, args=(each,), name=f"pdproc-worker-{index}")
+
+class _Supervisor:
+    """The parent's one job: keep `count` workers running until a signal asks them to stop."""
+
+    def __init__(self, each: Settings) -> None:
+        self.each = each
+        self.context = multiprocessing.get_context("spawn")
+        self.workers: list[BaseProcess] = []
+        self.stopping: list[int] = []
+
+    def start(self, index: int) -> BaseProcess:
+        process = self.context.Process(
+            target=_worker, args=(self.each,), name=f"pdproc-worker-{index}"
+        )
         process.start()
         return process
 
-    def forward(signum: int, _frame: Any) -> None:
-        stopping.append(signum)
-        for process in workers:
+    def start_all(self, count: int) -> None:
+        self.workers = [self.start(i) for i in range(count)]
+
+    def forward(self, signum: int, _frame: Any) -> None:
+        self.stopping.append(signum)
+        for process in self.workers:
             if process.pid is not None and process.is_alive():
                 os.kill(process.pid, signal.SIGTERM)
 
-    count = worker_count(settings)
-    each = worker_settings(settings, count)
-    workers = [start(i) for i in range(count)]
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    log.info("pdproc workers started", extra={"workers": [p.pid for p in workers]})
-    try:
+    def restart_dead(self) -> None:
+        for index, process in enumerate(self.workers):
+            if process.is_alive() or self.stopping:
+                continue
+            log.error(
+                "worker exited (%s), restarting", process.exitcode, extra={"pid": process.pid}
+            )
+            _mark_dead(process)
+            self.workers[index] = self.start(index)
+
+    def all_stopped(self) -> bool:
+        return bool(self.stopping) and not any(p.is_alive() for p in self.workers)
+
+    def supervise(self) -> None:
         while True:
-            for index, process in enumerate(workers):
-                if process.is_alive() or stopping:
-                    continue
-                log.error(
-                    "worker exited (%s), restarting", process.exitcode, extra={"pid": process.pid}
-                )
-                _mark_dead(process)
-                workers[index] = start(index)
-            if stopping and not any(p.is_alive() for p in workers):
+            self.restart_dead()
+            if self.all_stopped():
                 break
             time.sleep(0.2)
-    finally:
-        shutil.rmtree(metrics_dir, ignore_errors=True)
-    codes = [p.exitcode or 0 for p in workers]
-    return max(codes, default=0)
+
+    def exit_code(self) -> int:
+        return max((p.exitcode or 0 for p in self.workers), default=0)
 
 
 def _mark_dead(process: BaseProcess) -> None:

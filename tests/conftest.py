@@ -40,21 +40,32 @@ def installed_problems() -> list[str]:
     site = Path(sysconfig.get_paths()["purelib"]).resolve()
     problems = []
     for module_name, dist_name in ARTEFACTS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            problems.append(f"{module_name} is not importable: {exc}")
-            continue
-        where = Path(module.__file__ or "").resolve()
-        if site not in where.parents:
-            problems.append(f"{module_name} comes from {where}, not from {site}")
-        dist = installed_distribution(dist_name)
-        if dist is None:
-            problems.append(f"distribution {dist_name} is not installed in {site}")
-            continue
-        direct = json.loads(dist.read_text("direct_url.json") or "{}")
-        if direct.get("dir_info", {}).get("editable") or not direct.get("url", "").endswith(".whl"):
-            problems.append(f"{dist_name} is not installed from a wheel: {direct or 'no URL'}")
+        problems += _artefact_problems(module_name, dist_name, site)
+    return problems + _process_problems()
+
+
+def _artefact_problems(module_name: str, dist_name: str, site: Path) -> list[str]:
+    """Why one package is not imported from its installed wheel."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        return [f"{module_name} is not importable: {exc}"]
+    problems = []
+    where = Path(module.__file__ or "").resolve()
+    if site not in where.parents:
+        problems.append(f"{module_name} comes from {where}, not from {site}")
+    dist = installed_distribution(dist_name)
+    if dist is None:
+        return [*problems, f"distribution {dist_name} is not installed in {site}"]
+    direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    if direct.get("dir_info", {}).get("editable") or not direct.get("url", "").endswith(".whl"):
+        problems.append(f"{dist_name} is not installed from a wheel: {direct or 'no URL'}")
+    return problems
+
+
+def _process_problems() -> list[str]:
+    """Why processes the tests start would not run the installed wheels either."""
+    problems = []
     # Subprocesses get the same guarantee from the import hook `make test-venv` installs
     # (tests/package/installed_first.py): without it, a process whose working directory is
     # the checkout would import the checkout's pdproc/.

@@ -207,50 +207,92 @@ async def play(
     call = stub.Process()
     try:
         if single_message:
-            value = prefill.decode("latin-1") if isinstance(prefill, bytes) else prefill
-            await call.write(single_message_body(body, path, value, request_id))
-            message = await _read_answer(call, answers)
-            if message.HasField("immediate_response"):
-                return _ended(message, answers)
-            forwarded = _forwarded(message, body)
+            sent = await _send_single_message(call, answers, body, path, prefill, request_id)
         else:
-            headers: dict[str, str | bytes] = {
-                ":method": "POST",
-                ":path": path,
-                ":authority": "gateway",
-                "content-type": "application/json",
-                "x-request-id": request_id,
-                **(extra_headers or {}),
-            }
-            if prefill is not None:
-                headers[PREFILL_HEADER] = prefill
-            await call.write(request_headers(headers))
-            message = await _read_answer(call, answers)
-            if message.HasField("immediate_response"):
-                return _ended(message, answers)
-            mode = message.mode_override if message.HasField("mode_override") else None
-            if mode is not None and mode.request_body_mode == ProcessingMode.NONE:
-                # Pass-through: Envoy forwards the client's body unchanged, asks nothing more.
-                return Outcome(int(decode_status), body, answers=answers)
-            await call.write(
-                pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
-            )
-            message = await _read_answer(call, answers)
-            if message.HasField("immediate_response"):
-                return _ended(message, answers)
-            forwarded = _forwarded(message, body)
-            if mode is not None and mode.response_header_mode == ProcessingMode.SKIP:
-                return Outcome(int(decode_status), forwarded, answers=answers)
-        # The decode answers; Envoy sends its response headers and waits for pdproc (an
-        # abort may already be on its way: then it is the next message read).
-        await call.write(response_headers_msg(decode_status))
-        message = await _read_answer(call, answers)
-        if message.HasField("immediate_response"):
-            return _ended(message, answers, forwarded)
-        assert message.WhichOneof("response") == "response_headers", message
-        return Outcome(int(decode_status), forwarded, answers=answers)
+            headers = _request_headers(path, request_id, prefill, extra_headers)
+            sent = await _send_headers_and_body(call, answers, headers, body, decode_status)
+        if isinstance(sent, Outcome):
+            return sent
+        return await _decode_answers(call, answers, sent, decode_status)
     finally:
         await _finish(call)
+
+
+async def _send_single_message(
+    call: Any,
+    answers: list[pb.ProcessingResponse],
+    body: bytes,
+    path: str,
+    prefill: str | bytes | None,
+    request_id: str,
+) -> bytes | Outcome:
+    """Envoy in single-message mode: headers as attributes with the body. The body the
+    decode gets, or the Outcome when pdproc answered the client itself."""
+    value = prefill.decode("latin-1") if isinstance(prefill, bytes) else prefill
+    await call.write(single_message_body(body, path, value, request_id))
+    message = await _read_answer(call, answers)
+    if message.HasField("immediate_response"):
+        return _ended(message, answers)
+    return _forwarded(message, body)
+
+
+def _request_headers(
+    path: str,
+    request_id: str,
+    prefill: str | bytes | None,
+    extra_headers: dict[str, str | bytes] | None,
+) -> dict[str, str | bytes]:
+    headers: dict[str, str | bytes] = {
+        ":method": "POST",
+        ":path": path,
+        ":authority": "gateway",
+        "content-type": "application/json",
+        "x-request-id": request_id,
+        **(extra_headers or {}),
+    }
+    if prefill is not None:
+        headers[PREFILL_HEADER] = prefill
+    return headers
+
+
+async def _send_headers_and_body(
+    call: Any,
+    answers: list[pb.ProcessingResponse],
+    headers: dict[str, str | bytes],
+    body: bytes,
+    decode_status: str,
+) -> bytes | Outcome:
+    """Envoy in two-message mode: headers, then the body unless pdproc's mode override says
+    not to send it. The body the decode gets, or the Outcome when the exchange ends here."""
+    await call.write(request_headers(headers))
+    message = await _read_answer(call, answers)
+    if message.HasField("immediate_response"):
+        return _ended(message, answers)
+    mode = message.mode_override if message.HasField("mode_override") else None
+    if mode is not None and mode.request_body_mode == ProcessingMode.NONE:
+        # Pass-through: Envoy forwards the client's body unchanged, asks nothing more.
+        return Outcome(int(decode_status), body, answers=answers)
+    await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+    message = await _read_answer(call, answers)
+    if message.HasField("immediate_response"):
+        return _ended(message, answers)
+    forwarded = _forwarded(message, body)
+    if mode is not None and mode.response_header_mode == ProcessingMode.SKIP:
+        return Outcome(int(decode_status), forwarded, answers=answers)
+    return forwarded
+
+
+async def _decode_answers(
+    call: Any, answers: list[pb.ProcessingResponse], forwarded: bytes, decode_status: str
+) -> Outcome:
+    """The decode answers; Envoy sends its response headers and waits for pdproc (an abort
+    may already be on its way: then it is the next message read)."""
+    await call.write(response_headers_msg(decode_status))
+    message = await _read_answer(call, answers)
+    if message.HasField("immediate_response"):
+        return _ended(message, answers, forwarded)
+    assert message.WhichOneof("response") == "response_headers", message
+    return Outcome(int(decode_status), forwarded, answers=answers)
 
 
 def _forwarded(message: pb.ProcessingResponse, body: bytes) -> bytes:

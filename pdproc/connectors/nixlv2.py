@@ -117,6 +117,16 @@ def params_from_answer(answer: bytes, target: HostPort, admits: Admits) -> dict[
     Kept: the fields vLLM's decode reads, checked; other vLLM fields (tp_size, remote_num_tokens
     ...) only as plain scalars. The side channel (remote_host, remote_port) must be on the
     prefill pod's own host, or admitted by `admits` (the allow list and the pool)."""
+    params = _answer_params(answer)
+    _check_ids(params)
+    _check_asks_for_pull(params)
+    _check_side_channel(params, target, admits)
+    extras = _plain_extras(params)
+    return {**{k: params[k] for k in _CHECKED if k in params}, **extras}
+
+
+def _answer_params(answer: bytes) -> dict[str, Any]:
+    """The answer's `kv_transfer_params` object: NoKvParams when it has none."""
     try:
         data = orjson.loads(answer)
     except orjson.JSONDecodeError:
@@ -126,26 +136,44 @@ def params_from_answer(answer: bytes, target: HostPort, admits: Admits) -> dict[
         raise NoKvParams("the prefill's answer has no kv_transfer_params")
     if not isinstance(params, dict):
         raise AnswerError("the prefill's kv_transfer_params are not an object")
+    return params
+
+
+def _check_ids(params: Mapping[str, Any]) -> None:
     for name in _REQUIRED_IDS:
         value = params.get(name)
         if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
             raise AnswerError(f"kv_transfer_params.{name} is not an id")
+
+
+def _check_asks_for_pull(params: Mapping[str, Any]) -> None:
     if params.get("do_remote_prefill") is not True or params.get("do_remote_decode", False):
         raise AnswerError("kv_transfer_params do not ask the decode to pull KV")
     if not _block_ids(params.get("remote_block_ids")):
         raise AnswerError("kv_transfer_params.remote_block_ids is not a list of block ids")
+
+
+def _check_side_channel(params: Mapping[str, Any], target: HostPort, admits: Admits) -> None:
     channel = side_channel(params.get("remote_host"), params.get("remote_port"))
     if channel.host != target.host and not admits(channel):
         raise AnswerError(f"the prefill names a side channel it may not use: {channel}")
+
+
+def _plain_value(key: str, value: object) -> bool:
+    scalar = value is None or isinstance(value, bool | int | float)
+    short = isinstance(value, str) and len(value) <= MAX_EXTRA_STRING_CHARS
+    return len(key) <= 64 and (scalar or short)
+
+
+def _plain_extras(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields not checked above, each a plain scalar or a short string, and not too many."""
     extras = {k: v for k, v in params.items() if k not in _CHECKED}
     if len(extras) > MAX_EXTRA_FIELDS:
         raise AnswerError("kv_transfer_params has too many fields")
     for key, value in extras.items():
-        scalar = value is None or isinstance(value, bool | int | float)
-        short = isinstance(value, str) and len(value) <= MAX_EXTRA_STRING_CHARS
-        if len(key) > 64 or not (scalar or short):
+        if not _plain_value(key, value):
             raise AnswerError(f"kv_transfer_params.{shown(key)} is not a plain value")
-    return {**{k: params[k] for k in _CHECKED if k in params}, **extras}
+    return extras
 
 
 class NixlV2:

@@ -379,28 +379,46 @@ async def _run_prefill(
     state: PrefillState, job: _Job, request: web.Request, exchange: httpd.Exchange
 ) -> web.StreamResponse:
     generation = state.generation
-    ticket = job.ticket
-    try:
-        await state.hang_gate.wait()
-        await httpd.pause(state.compute_delay_s(job.body_bytes))
-        if ticket is not None and ticket.room is not None:
-            failure = await _await_sglang_decode(state, ticket, job)
-            if failure is not None:
-                reply = httpd.error_response(500, failure, sglang=True)
-                return exchange.reply(reply, "bootstrap_timeout")
-    except asyncio.CancelledError:
-        # vLLM aborts a request whose client left; the KV is then freed, never shipped.
-        if ticket is not None and ticket.key is not None and generation == state.generation:
-            state.finish_transfer(ticket.key, _result(state, job, shipped=False))
-        raise
+    failure = await _compute(state, job, generation)
+    if failure is not None:
+        reply = httpd.error_response(500, failure, sglang=True)
+        return exchange.reply(reply, "bootstrap_timeout")
     if generation != state.generation:
         reply = httpd.error_response(
             500, "engine restarted during prefill", sglang=state.sglang_errors
         )
         return exchange.reply(reply, "restarted")
     state.served_per_rank[job.rank] += 1
-    if ticket is None:
+    if job.ticket is None:
         return await _answer(state, job, request, exchange, "no_kv", None)
+    return await _hand_over_kv(state, job, job.ticket, request, exchange)
+
+
+async def _compute(state: PrefillState, job: _Job, generation: int) -> str | None:
+    """The prefill's compute (and an SGLang prefill's wait for its decode); why it failed,
+    or None. A prefill cancelled meanwhile frees its KV, never ships it."""
+    ticket = job.ticket
+    try:
+        await state.hang_gate.wait()
+        await httpd.pause(state.compute_delay_s(job.body_bytes))
+        if ticket is not None and ticket.room is not None:
+            return await _await_sglang_decode(state, ticket, job)
+    except asyncio.CancelledError:
+        # vLLM aborts a request whose client left; the KV is then freed, never shipped.
+        if ticket is not None and ticket.key is not None and generation == state.generation:
+            state.finish_transfer(ticket.key, _result(state, job, shipped=False))
+        raise
+    return None
+
+
+async def _hand_over_kv(
+    state: PrefillState,
+    job: _Job,
+    ticket: PrefillTicket,
+    request: web.Request,
+    exchange: httpd.Exchange,
+) -> web.StreamResponse:
+    """Answer a prefill that holds KV for a decode, and record whether it ships."""
     # vLLM keeps KV for the decode only when the request finished length-capped at 1 token;
     # an SGLang prefill always hands its KV over, whatever the token limit.
     shipped = ticket.connector == SGLANG or job.limit == 1

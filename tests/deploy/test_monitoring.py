@@ -279,32 +279,34 @@ def test_pdproc_metrics_the_alerts_and_dashboard_use_exist(
     assert used <= pdproc_metrics, sorted(used - pdproc_metrics)
 
 
-def test_rule_and_monitor_shapes(rendered: list[dict[str, Any]]) -> None:
-    kinds = {(d["kind"], d["metadata"]["name"]) for d in rendered}
-    assert ("PodMonitor", "pdproc") in kinds
-    assert ("PrometheusRule", "pdproc") in kinds
-    alerts = {
-        rule["alert"]: rule
+def prometheus_rules(rendered: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every rule (alerting or recording) of every rendered PrometheusRule."""
+    return [
+        rule
         for d in rendered
         if d["kind"] == "PrometheusRule"
         for g in d["spec"]["groups"]
         for rule in g["rules"]
-        if "alert" in rule
-    }
-    # The issue's four signals: the P/D share, up == 0, ext_proc failures, fail-open.
-    recorded = {
-        rule["record"]: rule["expr"]
-        for d in rendered
-        if d["kind"] == "PrometheusRule"
-        for g in d["spec"]["groups"]
-        for rule in g["rules"]
-        if "record" in rule
-    }
+    ]
+
+
+def pdproc_pod_monitor(rendered: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(
+        d for d in rendered if d["kind"] == "PodMonitor" and d["metadata"]["name"] == "pdproc"
+    )
+
+
+def check_the_four_signals(alerts: dict[str, Any], recorded: dict[str, Any]) -> None:
+    """The issue's four signals: the P/D share, up == 0, ext_proc failures, fail-open."""
     assert "pdproc:pd_share:ratio_rate15m" in alerts["PdprocPDShareDropped"]["expr"]
     assert 'outcome="pd"' in recorded["pdproc:pd_requests:rate15m"]
     assert alerts["PdprocDown"]["expr"].strip() == 'up{job="pdproc"} == 0'
     assert "streams_failed" in alerts["GatewayExtProcStreamsFailing"]["expr"]
     assert "failure_mode_allowed" in alerts["GatewayExtProcFailOpen"]["expr"]
+
+
+def check_runbooks(alerts: dict[str, Any]) -> None:
+    """Every alert links its runbook in docs/operations.md."""
     runbooks = (REPO / "docs" / "operations.md").read_text("utf-8").lower()
     for name, rule in alerts.items():
         # Absolute (clickable in Alertmanager), from the one base URL in runbooks.yaml.
@@ -312,8 +314,17 @@ def test_rule_and_monitor_shapes(rendered: list[dict[str, Any]]) -> None:
         anchor = rule["annotations"]["runbook_url"].split("#", 1)[1]
         assert anchor == name.lower()
         assert f"### {name.lower()}" in runbooks, f"docs/operations.md has no runbook for {name}"
-    pod_monitor = next(
-        d for d in rendered if d["kind"] == "PodMonitor" and d["metadata"]["name"] == "pdproc"
-    )
+
+
+def test_rule_and_monitor_shapes(rendered: list[dict[str, Any]]) -> None:
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in rendered}
+    assert ("PodMonitor", "pdproc") in kinds
+    assert ("PrometheusRule", "pdproc") in kinds
+    rules = prometheus_rules(rendered)
+    alerts = {rule["alert"]: rule for rule in rules if "alert" in rule}
+    recorded = {rule["record"]: rule["expr"] for rule in rules if "record" in rule}
+    check_the_four_signals(alerts, recorded)
+    check_runbooks(alerts)
+    pod_monitor = pdproc_pod_monitor(rendered)
     assert pod_monitor["spec"]["jobLabel"] == "app.kubernetes.io/name"  # job="pdproc"
     assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"

@@ -449,50 +449,18 @@ def test_stalled_uploads_get_408_and_free_their_ext_proc_streams(tmp_path: Path,
     with running_stack(sim, envoy_options=options, workdir=tmp_path) as st:
         baseline = st.metric("pdproc_streams_active")
         stream: dict[str, Any] = {}
-
-        def long_stream() -> None:
-            with httpx.Client(timeout=60) as client:
-                payload = {**CHAT, "max_tokens": 16, "stream": True}
-                url = st.envoy.url + "/v1/chat/completions"
-                with client.stream("POST", url, json=payload, headers=target(st)) as response:
-                    stream["status"] = response.status_code
-                    stream["body"] = response.read()
-
-        streamer = threading.Thread(target=long_stream)
+        streamer = threading.Thread(target=long_stream, args=(st, stream))
         streamer.start()
         started = time.monotonic()
-        head = (
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        )
-        stalled = []
-        for _ in range(STALLED):
-            sock = socket.create_connection((st.envoy.listen.host, st.envoy.listen.port))
-            sock.sendall(head + b'content-length: 100000\r\n\r\n{"model":"m","prompt":"')
-            stalled.append(sock)
-        half_headers = socket.create_connection((st.envoy.listen.host, st.envoy.listen.port))
-        half_headers.sendall(head)
-        stalled.append(half_headers)
+        stalled = stall_uploads(st)
         if mode == "two-message":
             # Each stalled upload holds an ext_proc stream (the headers went to pdproc).
             eventually(lambda: st.metric("pdproc_streams_active") >= baseline + STALLED)
         for sock in stalled:
-            sock.settimeout(60)  # seconds, not the hour a stalled upload used to get
-            answer = b""
-            while chunk := sock.recv(65536):
-                answer += chunk
-            sock.close()
-            assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
-            body = orjson.loads(answer.split(b"\r\n\r\n", 1)[1])
-            assert (body["type"], body["code"]) == ("RequestTimeoutError", 408)
+            check_answered_408(sock)
         assert time.monotonic() - started < 60
         eventually(lambda: st.metric("pdproc_streams_active") == baseline)
-        stats = st.envoy.stats("http.ingress.")
-        assert stats["http.ingress.downstream_rq_timeout"] >= STALLED
-        assert stats["http.ingress.downstream_rq_header_timeout"] >= 1
-        ext_proc = st.envoy.stats("http.ingress.ext_proc.")
-        assert ext_proc["http.ingress.ext_proc.streams_started"] == ext_proc.get(
-            "http.ingress.ext_proc.streams_closed", 0
-        ) + ext_proc.get("http.ingress.ext_proc.streams_failed", 0)
+        check_envoy_timed_out_and_closed_every_stream(st)
         # The token stream outlived the request timeout and was not cut.
         streamer.join(60)
         assert stream["status"] == 200
@@ -500,3 +468,50 @@ def test_stalled_uploads_get_408_and_free_their_ext_proc_streams(tmp_path: Path,
         events = [line for line in stream["body"].decode().splitlines() if line.startswith("data:")]
         assert events[-1] == "data: [DONE]"
         assert len(events) >= 17
+
+
+def long_stream(st: Stack, stream: dict[str, Any]) -> None:
+    """A streamed chat through Envoy; its status and whole body go into `stream`."""
+    with httpx.Client(timeout=60) as client:
+        payload = {**CHAT, "max_tokens": 16, "stream": True}
+        url = st.envoy.url + "/v1/chat/completions"
+        with client.stream("POST", url, json=payload, headers=target(st)) as response:
+            stream["status"] = response.status_code
+            stream["body"] = response.read()
+
+
+def stall_uploads(st: Stack) -> list[socket.socket]:
+    """STALLED uploads that send their headers and the start of a body, then nothing; and
+    one that stops halfway through its headers."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    stalled = []
+    for _ in range(STALLED):
+        sock = socket.create_connection((st.envoy.listen.host, st.envoy.listen.port))
+        sock.sendall(head + b'content-length: 100000\r\n\r\n{"model":"m","prompt":"')
+        stalled.append(sock)
+    half_headers = socket.create_connection((st.envoy.listen.host, st.envoy.listen.port))
+    half_headers.sendall(head)
+    stalled.append(half_headers)
+    return stalled
+
+
+def check_answered_408(sock: socket.socket) -> None:
+    """The stalled upload got Envoy's 408, as an OpenAI-style error, and its connection closed."""
+    sock.settimeout(60)  # seconds, not the hour a stalled upload used to get
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    body = orjson.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert (body["type"], body["code"]) == ("RequestTimeoutError", 408)
+
+
+def check_envoy_timed_out_and_closed_every_stream(st: Stack) -> None:
+    stats = st.envoy.stats("http.ingress.")
+    assert stats["http.ingress.downstream_rq_timeout"] >= STALLED
+    assert stats["http.ingress.downstream_rq_header_timeout"] >= 1
+    ext_proc = st.envoy.stats("http.ingress.ext_proc.")
+    assert ext_proc["http.ingress.ext_proc.streams_started"] == ext_proc.get(
+        "http.ingress.ext_proc.streams_closed", 0
+    ) + ext_proc.get("http.ingress.ext_proc.streams_failed", 0)

@@ -19,6 +19,7 @@ import orjson
 import pytest
 from pdproc_sim.devstack import (
     Process,
+    Stack,
     running_stack,
     scrape_metric,
     start_envoy,
@@ -27,6 +28,7 @@ from pdproc_sim.devstack import (
 
 from pdproc.config import Settings
 from pdproc.server import RESTART_S
+from pdproc.targets import HostPort
 from tests.waiting import eventually
 
 from .conftest import one_stream_per_connection
@@ -51,6 +53,49 @@ def prefilled(processes: list[Process], since: float) -> list[dict[str, Any]]:
                 if entry["ts"] >= since:
                     lines.append(entry)
     return lines
+
+
+def engine_ids(lines: list[dict[str, Any]]) -> set[str]:
+    return {line["engine_id"] for line in lines}
+
+
+def serve_until_every_process_served(
+    url: str, target: dict[str, str], replicas: list[Process], since: float
+) -> set[int]:
+    """Requests (at most MAX_REQUESTS), each of them served, until every process of every
+    replica has prefilled one since `since`; their pids."""
+    pids: set[int] = set()
+    with httpx.Client(timeout=60) as client:
+        for _ in range(MAX_REQUESTS):
+            response = client.post(url + "/v1/chat/completions", json=CHAT, headers=target)
+            assert response.status_code == 200, response.text
+            pids = {line["pid"] for line in prefilled(replicas, since)}
+            if len(pids) == REPLICAS * WORKERS:
+                return pids
+    raise AssertionError(f"only processes {pids} got requests")
+
+
+def restart_with_requests_in_flight(st: Stack, url: str, target: dict[str, str]) -> list[Any]:
+    """HELD requests held in the prefill, the pod restarted under them; their answers."""
+
+    def post() -> httpx.Response:
+        return httpx.post(url + "/v1/chat/completions", json=CHAT, headers=target, timeout=60)
+
+    st.sim_post("prefill", "/sim/faults", {"prefill_hang": True})
+    with ThreadPoolExecutor(HELD) as pool:
+        held = [pool.submit(post) for _ in range(HELD)]
+        eventually(lambda: st.sim_get("prefill", "/sim/stats")["in_flight"] == HELD)
+        st.sim_post("prefill", "/sim/restart")
+        st.sim_post("prefill", "/sim/faults", {"clear": True})
+        return [answer.result() for answer in held]
+
+
+def failed_requests(metrics: list[HostPort]) -> float:
+    """pdproc_requests_total{outcome="prefill_failed"} over the replicas."""
+    return sum(
+        scrape_metric(address, "pdproc_requests_total", outcome="prefill_failed")
+        for address in metrics
+    )
 
 
 def test_a_restarted_pod_costs_no_request_in_any_worker_or_replica(tmp_path: Path) -> None:
@@ -83,22 +128,10 @@ def test_a_restarted_pod_costs_no_request_in_any_worker_or_replica(tmp_path: Pat
         st.extra.append(envoy.process)
         target = {"x-prefiller-host-port": str(st.sim.prefill)}
         old_ids = set(st.sim_get("prefill", "/sim/stats")["engine_ids"].values())
+        metrics = [st.metrics_addr, second_metrics]
 
-        def serve_until_every_process_served(since: float) -> set[int]:
-            pids: set[int] = set()
-            with httpx.Client(timeout=60) as client:
-                for _ in range(MAX_REQUESTS):
-                    response = client.post(
-                        envoy.url + "/v1/chat/completions", json=CHAT, headers=target
-                    )
-                    assert response.status_code == 200, response.text
-                    pids = {line["pid"] for line in prefilled(replicas, since)}
-                    if len(pids) == REPLICAS * WORKERS:
-                        return pids
-            raise AssertionError(f"only processes {pids} got requests")
-
-        serve_until_every_process_served(0.0)
-        assert {line["engine_id"] for line in prefilled(replicas, 0.0)} <= old_ids
+        serve_until_every_process_served(envoy.url, target, replicas, 0.0)
+        assert engine_ids(prefilled(replicas, 0.0)) <= old_ids
 
         new_ids = set(st.sim_post("prefill", "/sim/restart")["engine_ids"].values())
         assert not new_ids & old_ids
@@ -106,42 +139,26 @@ def test_a_restarted_pod_costs_no_request_in_any_worker_or_replica(tmp_path: Pat
 
         st.sim_post("decode", "/sim/reset")
         since = time.time()
-        serve_until_every_process_served(since)
+        serve_until_every_process_served(envoy.url, target, replicas, since)
         after = prefilled(replicas, since)
-        assert {line["engine_id"] for line in after} <= new_ids
+        assert engine_ids(after) <= new_ids
         decodes = st.sim_get("decode", "/sim/stats")
         assert decodes["kv_failures"] == {}
         assert decodes["kv_ok"] == len(after)
 
         # A restart with requests in flight: exactly those fail, with pdproc's 502 (their
         # prefill failed, so their decode was aborted, not left waiting), counted.
-        def post() -> httpx.Response:
-            url = envoy.url + "/v1/chat/completions"
-            return httpx.post(url, json=CHAT, headers=target, timeout=60)
-
-        def failed() -> float:
-            return sum(
-                scrape_metric(metrics, "pdproc_requests_total", outcome="prefill_failed")
-                for metrics in (st.metrics_addr, second_metrics)
-            )
-
-        st.sim_post("prefill", "/sim/faults", {"prefill_hang": True})
-        with ThreadPoolExecutor(HELD) as pool:
-            held = [pool.submit(post) for _ in range(HELD)]
-            eventually(lambda: st.sim_get("prefill", "/sim/stats")["in_flight"] == HELD)
-            st.sim_post("prefill", "/sim/restart")
-            st.sim_post("prefill", "/sim/faults", {"clear": True})
-            answers = [answer.result() for answer in held]
+        answers = restart_with_requests_in_flight(st, envoy.url, target)
         assert [answer.status_code for answer in answers] == [502] * HELD
         assert {answer.headers["x-pdproc-error"] for answer in answers} == {"prefill_failed"}
-        assert failed() == HELD
+        assert failed_requests(metrics) == HELD
         time.sleep(downtime)
         since = time.time()
-        serve_until_every_process_served(since)
-        assert {line["engine_id"] for line in prefilled(replicas, since)} <= set(
+        serve_until_every_process_served(envoy.url, target, replicas, since)
+        assert engine_ids(prefilled(replicas, since)) <= set(
             st.sim_get("prefill", "/sim/stats")["engine_ids"].values()
         )
-        assert failed() == HELD
+        assert failed_requests(metrics) == HELD
 
 
 def test_a_pod_that_restarted_too_fast_and_failed_once_is_followed_by_every_worker(

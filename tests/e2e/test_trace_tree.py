@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -140,18 +141,53 @@ def with_envoy_tracing(port: int) -> Any:
     return hook
 
 
+def _otlp_env(port: int, service: str, **more: str) -> dict[str, str]:
+    """pdproc's environment: its spans to the collector on `port`, under `service`."""
+    return {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        **more,
+        "OTEL_SERVICE_NAME": service,
+    }
+
+
+def _chat_with_prefill(st: Any) -> dict[str, Any]:
+    """One chat request through Envoy, paired with the simulated prefill; the request the
+    prefill pod received."""
+    response = httpx.post(
+        st.envoy.url + "/v1/chat/completions",
+        json=CHAT,
+        headers={"x-prefiller-host-port": str(st.sim.prefill)},
+        timeout=30,
+    )
+    assert response.status_code == 200
+    prefill: dict[str, Any] = st.sim_get("prefill", "/sim/requests")["requests"][-1]
+    return prefill
+
+
+def _named(spans: list[Span], name: str) -> list[Span]:
+    return [s for s in spans if s.name == name]
+
+
+def _request_span_with_gateway(servicer: Collector) -> Span | None:
+    """pdproc's request span, once its prefill span and Envoy's spans have arrived too."""
+    spans = servicer.snapshot()
+    if not _named(spans, "pdproc.prefill"):
+        return None
+    if not any(s.service == "gateway" for s in spans):
+        return None
+    return next(iter(_named(spans, "pdproc.request")), None)
+
+
 @pytest.mark.parametrize("mode", ["two-message", "single-message"])
 def test_one_trace_from_envoy_through_pdproc_to_the_prefill(
     collector: tuple[Collector, int], mode: str
 ) -> None:
     servicer, port = collector
-    env = {
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
-        "OTEL_BSP_SCHEDULE_DELAY": "100",
-        "OTEL_SERVICE_NAME": "pdproc-under-test",
-        "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=e2e",
-    }
+    env = _otlp_env(
+        port, "pdproc-under-test", OTEL_RESOURCE_ATTRIBUTES="deployment.environment=e2e"
+    )
     options = {"single_message": mode == "single-message"}
     with running_stack(
         ["--itl-ms", "5"],
@@ -159,25 +195,8 @@ def test_one_trace_from_envoy_through_pdproc_to_the_prefill(
         envoy_config_hook=with_envoy_tracing(port),
         pdproc_env=env,
     ) as st:
-        response = httpx.post(
-            st.envoy.url + "/v1/chat/completions",
-            json=CHAT,
-            headers={"x-prefiller-host-port": str(st.sim.prefill)},
-            timeout=30,
-        )
-        assert response.status_code == 200
-        prefill = st.sim_get("prefill", "/sim/requests")["requests"][-1]
-
-        def request_span() -> Span | None:
-            spans = servicer.snapshot()
-            return (
-                next((s for s in spans if s.name == "pdproc.request"), None)
-                if any(s.name == "pdproc.prefill" for s in spans)
-                and any(s.service == "gateway" for s in spans)
-                else None
-            )
-
-        ours: Span = eventually(request_span, timeout_s=30)
+        prefill = _chat_with_prefill(st)
+        ours: Span = eventually(partial(_request_span_with_gateway, servicer), timeout_s=30)
         time.sleep(0.5)  # the gateway's last spans
         spans = [s for s in servicer.snapshot() if s.trace_id == ours.trace_id]
         servicer.spans.clear()
@@ -185,23 +204,33 @@ def test_one_trace_from_envoy_through_pdproc_to_the_prefill(
     by_id = {s.span_id: s for s in spans}
     gateway = [s for s in spans if s.service == "gateway"]
     assert gateway, "Envoy's spans are not in pdproc's trace"
-    # pdproc's request span hangs under one of Envoy's spans: a single tree, not a new root
-    # and not a sibling parented on a client's context.
+    check_request_span_under_the_gateway(ours, by_id)
+    check_prefill_span_and_its_context(spans, ours, prefill, st.sim.prefill.port)
+    roots = [s for s in spans if s.parent_id not in by_id]
+    assert len(roots) == 1
+    assert roots[0].service == "gateway"
+
+
+def check_request_span_under_the_gateway(ours: Span, by_id: dict[str, Span]) -> None:
+    """pdproc's request span hangs under one of Envoy's spans: a single tree, not a new root
+    and not a sibling parented on a client's context."""
     assert ours.parent_id in by_id
     assert by_id[ours.parent_id].service == "gateway"
     assert ours.service == "pdproc-under-test"  # OTEL_SERVICE_NAME is honoured
     assert ours.attributes["rpc.system"] == "grpc"
     assert ours.attributes["rpc.method"] == "Process"
-    (prefill_span,) = [s for s in spans if s.name == "pdproc.prefill"]
+
+
+def check_prefill_span_and_its_context(
+    spans: list[Span], ours: Span, prefill: dict[str, Any], prefill_port: int
+) -> None:
+    """One prefill span under the request span, and the prefill pod received its context."""
+    (prefill_span,) = _named(spans, "pdproc.prefill")
     assert prefill_span.parent_id == ours.span_id
     assert prefill_span.attributes["server.address"] == "127.0.0.1"
-    assert prefill_span.attributes["server.port"] == st.sim.prefill.port
-    # The prefill pod received the trace context of pdproc's prefill span.
+    assert prefill_span.attributes["server.port"] == prefill_port
     traceparent = prefill["headers"]["traceparent"]
     assert traceparent.split("-")[1:3] == [ours.trace_id, prefill_span.span_id]
-    roots = [s for s in spans if s.parent_id not in by_id]
-    assert len(roots) == 1
-    assert roots[0].service == "gateway"
 
 
 class ZipkinCollector(ThreadingHTTPServer):
@@ -286,6 +315,25 @@ def with_envoy_zipkin(port: int) -> Any:
     return hook
 
 
+def _service_request_span(servicer: Collector, service: str) -> Span | None:
+    """The request span of `service`, once its prefill span has arrived too."""
+    spans = [s for s in servicer.snapshot() if s.service == service]
+    if not _named(spans, "pdproc.prefill"):
+        return None
+    return next(iter(_named(spans, "pdproc.request")), None)
+
+
+def _prefill_span_of(servicer: Collector, trace_id: str) -> Span:
+    return next(s for s in _named(servicer.snapshot(), "pdproc.prefill") if s.trace_id == trace_id)
+
+
+def _envoy_spans_with_parent(zipkin: ZipkinCollector, request: Span) -> list[dict[str, Any]] | None:
+    """Envoy's Zipkin spans of the request's trace, once the one pdproc names as its parent
+    is among them."""
+    found = [s for s in zipkin.snapshot() if s.get("traceId") == request.trace_id]
+    return found if request.parent_id in {s["id"] for s in found} else None
+
+
 def test_b3_trace_from_a_zipkin_traced_envoy_joins(
     collector: tuple[Collector, int], zipkin: ZipkinCollector
 ) -> None:
@@ -293,47 +341,20 @@ def test_b3_trace_from_a_zipkin_traced_envoy_joins(
     ext_proc call's metadata; pdproc's spans join Envoy's trace and the prefill request
     carries B3 headers on."""
     servicer, port = collector
-    env = {
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
-        "OTEL_BSP_SCHEDULE_DELAY": "100",
-        "OTEL_PROPAGATORS": "b3multi",
-        "OTEL_SERVICE_NAME": "pdproc-b3",
-    }
+    env = _otlp_env(port, "pdproc-b3", OTEL_PROPAGATORS="b3multi")
     with running_stack(
         ["--itl-ms", "5"],
         envoy_config_hook=with_envoy_zipkin(zipkin.server_address[1]),
         pdproc_env=env,
     ) as st:
-        response = httpx.post(
-            st.envoy.url + "/v1/chat/completions",
-            json=CHAT,
-            headers={"x-prefiller-host-port": str(st.sim.prefill)},
-            timeout=30,
+        prefill = _chat_with_prefill(st)
+        request: Span = eventually(
+            partial(_service_request_span, servicer, "pdproc-b3"), timeout_s=30
         )
-        assert response.status_code == 200
-        prefill = st.sim_get("prefill", "/sim/requests")["requests"][-1]
-
-        def ours() -> Span | None:
-            spans = [s for s in servicer.snapshot() if s.service == "pdproc-b3"]
-            if not any(s.name == "pdproc.prefill" for s in spans):
-                return None
-            return next((s for s in spans if s.name == "pdproc.request"), None)
-
-        request: Span = eventually(ours, timeout_s=30)
-        prefill_span = next(
-            s
-            for s in servicer.snapshot()
-            if s.name == "pdproc.prefill" and s.trace_id == request.trace_id
-        )
-
+        prefill_span = _prefill_span_of(servicer, request.trace_id)
         # Envoy flushes Zipkin spans every 5 s (or every 5 spans), not all in one report: wait
         # for the span pdproc names as its parent (never there if pdproc started a new trace).
-        def envoy_spans() -> list[dict[str, Any]] | None:
-            found = [s for s in zipkin.snapshot() if s.get("traceId") == request.trace_id]
-            return found if request.parent_id in {s["id"] for s in found} else None
-
-        gateway = eventually(envoy_spans, timeout_s=30)
+        gateway = eventually(partial(_envoy_spans_with_parent, zipkin, request), timeout_s=30)
 
     # One trace: pdproc's request span hangs under one of Envoy's Zipkin spans.
     assert request.parent_id in {s["id"] for s in gateway}

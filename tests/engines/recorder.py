@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ from aiohttp import web
 from pdproc_sim.devstack import free_port
 
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 HOP_BY_HOP = {
     "connection",
     "keep-alive",
@@ -72,54 +73,10 @@ def recording_proxy(upstream: str) -> Iterator[Recorder]:
     runner_box: list[web.AppRunner] = []
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        session: aiohttp.ClientSession = request.app[SESSION]
-        async with session.request(
-            request.method,
-            recorder.upstream + request.path_qs,
-            data=raw,
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(total=600),
-        ) as upstream:
-            answer = web.StreamResponse(status=upstream.status)
-            for name, value in upstream.headers.items():
-                if name.lower() not in HOP_BY_HOP:
-                    answer.headers[name] = value
-            await answer.prepare(request)
-            body = bytearray()
-            async for chunk in upstream.content.iter_any():
-                body += chunk
-                await answer.write(chunk)
-            await answer.write_eof()
-        try:
-            parsed = json.loads(raw) if raw else None
-        except ValueError:
-            parsed = raw.decode("utf-8", "replace")
-        recorder.exchanges.append(
-            Exchange(
-                request.path,
-                parsed,
-                upstream.status,
-                upstream.headers.get("content-type", ""),
-                bytes(body),
-            )
-        )
-        return answer
+        return await _relay(recorder, request)
 
     async def start() -> None:
-        app = web.Application()
-        app[SESSION] = aiohttp.ClientSession()
-        app.router.add_route("*", "/{tail:.*}", handle)
-
-        async def close_session(app: web.Application) -> None:
-            await app[SESSION].close()
-
-        app.on_cleanup.append(close_session)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", recorder.port).start()
-        runner_box.append(runner)
+        runner_box.append(await _serve(recorder.port, handle))
 
     def run() -> None:
         asyncio.set_event_loop(loop)
@@ -138,6 +95,64 @@ def recording_proxy(upstream: str) -> Iterator[Recorder]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
         loop.close()
+
+
+async def _relay(recorder: Recorder, request: web.Request) -> web.StreamResponse:
+    """Pass one request on unchanged, stream the answer back, and record both."""
+    raw = await request.read()
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+    session: aiohttp.ClientSession = request.app[SESSION]
+    async with session.request(
+        request.method,
+        recorder.upstream + request.path_qs,
+        data=raw,
+        headers=headers,
+        timeout=aiohttp.ClientTimeout(total=600),
+    ) as upstream:
+        answer = web.StreamResponse(status=upstream.status)
+        for name, value in upstream.headers.items():
+            if name.lower() not in HOP_BY_HOP:
+                answer.headers[name] = value
+        await answer.prepare(request)
+        body = bytearray()
+        async for chunk in upstream.content.iter_any():
+            body += chunk
+            await answer.write(chunk)
+        await answer.write_eof()
+    recorder.exchanges.append(
+        Exchange(
+            request.path,
+            _parsed(raw),
+            upstream.status,
+            upstream.headers.get("content-type", ""),
+            bytes(body),
+        )
+    )
+    return answer
+
+
+def _parsed(raw: bytes) -> Any:
+    """A request body as JSON when it is JSON, else as text."""
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        return raw.decode("utf-8", "replace")
+
+
+async def _serve(port: int, handle: Handler) -> web.AppRunner:
+    """The proxy's HTTP server on 127.0.0.1:`port`, every path and method to `handle`."""
+    app = web.Application()
+    app[SESSION] = aiohttp.ClientSession()
+    app.router.add_route("*", "/{tail:.*}", handle)
+
+    async def close_session(app: web.Application) -> None:
+        await app[SESSION].close()
+
+    app.on_cleanup.append(close_session)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
 
 
 def kind(value: Any) -> str:
