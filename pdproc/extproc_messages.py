@@ -7,7 +7,7 @@ headers still held sets `content-length`; modes in a `mode_override` are absolut
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
 from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
@@ -17,9 +17,12 @@ from pdproc._proto.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.type.v3.http_status_pb2 import HttpStatus
 from pdproc.errors import ErrorReply
+from pdproc.extproc_wire import Buffer, Encoded, body_answer
 from pdproc.targets import PREFILL_HEADER
 
-Response: TypeAlias = pb.ProcessingResponse
+Message: TypeAlias = pb.ProcessingResponse
+# An answer: a message, or a body answer already in wire form (pdproc.extproc_wire).
+Response: TypeAlias = pb.ProcessingResponse | Encoded
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _STRIP_PREFILL_HEADER = pb.HeaderMutation(remove_headers=[PREFILL_HEADER])
@@ -54,13 +57,13 @@ def _checked_mark() -> pb.ProcessingResponse:
 _CHECKED = _checked_mark().dynamic_metadata
 
 # Answers that never change, built once.
-CONTINUE_REQUEST_HEADERS = Response(
+CONTINUE_REQUEST_HEADERS = Message(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(header_mutation=_STRIP_PREFILL_HEADER)
     )
 )
 # Not P/D: stop buffering the body and skip the response phase (needs allow_mode_override).
-PASS_THROUGH_HEADERS = Response(
+PASS_THROUGH_HEADERS = Message(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(header_mutation=_STRIP_PREFILL_HEADER)
     ),
@@ -70,7 +73,7 @@ PASS_THROUGH_HEADERS = Response(
 )
 # A P/D-path request served by the decode alone: its body is still checked, but it needs no
 # response phase.
-CHECK_BODY_ONLY_HEADERS = Response(
+CHECK_BODY_ONLY_HEADERS = Message(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(header_mutation=_STRIP_PREFILL_HEADER)
     ),
@@ -78,8 +81,8 @@ CHECK_BODY_ONLY_HEADERS = Response(
         request_body_mode=ProcessingMode.BUFFERED, response_header_mode=ProcessingMode.SKIP
     ),
 )
-CONTINUE_REQUEST_BODY = Response(request_body=pb.BodyResponse())
-CHECKED_REQUEST_BODY = Response(request_body=pb.BodyResponse(), dynamic_metadata=_CHECKED)
+CONTINUE_REQUEST_BODY = Message(request_body=pb.BodyResponse())
+CHECKED_REQUEST_BODY = Message(request_body=pb.BodyResponse(), dynamic_metadata=_CHECKED)
 
 
 def checked_request_body(request_id: str | None) -> Response:
@@ -87,16 +90,16 @@ def checked_request_body(request_id: str | None) -> Response:
     `request_id` (when given) replaces x-request-id."""
     if request_id is None:
         return CHECKED_REQUEST_BODY
-    response = Response(dynamic_metadata=_CHECKED)
+    response = Message(dynamic_metadata=_CHECKED)
     mutation = response.request_body.response.header_mutation
     mutation.set_headers.append(_header("x-request-id", request_id.encode()))
     return response
 
 
-CONTINUE_RESPONSE_HEADERS = Response(response_headers=pb.HeadersResponse())
-CONTINUE_RESPONSE_BODY = Response(response_body=pb.BodyResponse())
-CONTINUE_REQUEST_TRAILERS = Response(request_trailers=pb.TrailersResponse())
-CONTINUE_RESPONSE_TRAILERS = Response(response_trailers=pb.TrailersResponse())
+CONTINUE_RESPONSE_HEADERS = Message(response_headers=pb.HeadersResponse())
+CONTINUE_RESPONSE_BODY = Message(response_body=pb.BodyResponse())
+CONTINUE_REQUEST_TRAILERS = Message(request_trailers=pb.TrailersResponse())
+CONTINUE_RESPONSE_TRAILERS = Message(response_trailers=pb.TrailersResponse())
 
 # The answer that lets any message pass unchanged, by kind.
 CONTINUE = {
@@ -109,9 +112,9 @@ CONTINUE = {
 }
 
 
-def immediate(reply: ErrorReply) -> Response:
+def immediate(reply: ErrorReply) -> Message:
     """Answer the request in Envoy's place; Envoy cancels whatever is upstream."""
-    return Response(
+    return Message(
         immediate_response=pb.ImmediateResponse(
             status=HttpStatus(code=reply.status),
             headers=pb.HeaderMutation(
@@ -126,9 +129,9 @@ def immediate(reply: ErrorReply) -> Response:
     )
 
 
-def passed_through(status: int, body: bytes, content_type: str | None) -> Response:
+def passed_through(status: int, body: bytes, content_type: str | None) -> Message:
     """A pod's own (error) answer, sent to the client as it is."""
-    return Response(
+    return Message(
         immediate_response=pb.ImmediateResponse(
             status=HttpStatus(code=status),
             headers=pb.HeaderMutation(
@@ -147,24 +150,20 @@ def body_response(body: bytes, *, content_length: bool, request_id: str | None =
     """The rewritten body. With the request headers still held by Envoy, content-length must
     change with it (and `request_id`, when given, replaces x-request-id); in single-message
     mode they are gone upstream already and Envoy sends the body chunked."""
-    # Filled in place: nesting constructors would copy a megabyte body once per level.
-    response = Response()
-    common = response.request_body.response
+    head = Message(dynamic_metadata=_CHECKED)
     if content_length:
-        length = str(len(body)).encode()
-        common.header_mutation.set_headers.append(_header("content-length", length))
+        mutation = head.request_body.response.header_mutation
+        mutation.set_headers.append(_header("content-length", str(len(body)).encode()))
         if request_id is not None:
-            common.header_mutation.set_headers.append(_header("x-request-id", request_id.encode()))
-    common.body_mutation.body = body
-    response.dynamic_metadata.CopyFrom(_CHECKED)
-    return response
+            mutation.set_headers.append(_header("x-request-id", request_id.encode()))
+    return body_answer(head, (body,))
 
 
 # Stream this request's body (pdproc.streamed_body). Its content-length goes: the decode
 # leg is sent chunked, its rewritten end making it longer. The body is marked checked only
 # at its last chunk, so if pdproc fails mid-body (Envoy fails open and passes the rest on
 # unseen), the kv guard, which holds a body that carries no mark, checks it whole.
-STREAMED_HEADERS = Response(
+STREAMED_HEADERS = Message(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(
             header_mutation=pb.HeaderMutation(remove_headers=[PREFILL_HEADER, "content-length"])
@@ -179,30 +178,39 @@ STREAMED_HEADERS = Response(
 )
 
 
-def chunk_response(data: bytes | None) -> Response:
+def chunk_response(data: Buffer | None) -> Response:
     """One streamed body chunk: on unchanged (None), or replaced by `data`."""
     if data is None:
         return CONTINUE_REQUEST_BODY
-    response = Response()
-    mutation = response.request_body.response.body_mutation
     if data:
-        mutation.body = data
-    else:
-        mutation.clear_body = True
+        return body_answer(Message(), (data,))
+    response = Message()
+    response.request_body.response.body_mutation.clear_body = True
     return response
 
 
-def last_chunk_response(data: bytes) -> Response:
-    """The last chunk of a streamed body, replaced by `data`; the body is checked."""
-    response = chunk_response(data)
-    response.dynamic_metadata.CopyFrom(_CHECKED)
+def last_chunk_response(data: Sequence[Buffer]) -> Response:
+    """The last chunk of a streamed body, replaced by `data` joined; the body is checked."""
+    if any(data):
+        return body_answer(Message(dynamic_metadata=_CHECKED), data)
+    response = Message(dynamic_metadata=_CHECKED)
+    response.request_body.response.body_mutation.clear_body = True
     return response
 
 
-def hold(seconds: float) -> Response:
+def ends_request(response: Response) -> bool:
+    """An immediate response: Envoy answers the client with it and closes the stream."""
+    return not isinstance(response, Encoded) and response.HasField("immediate_response")
+
+
+def answers_response_headers(response: Response) -> bool:
+    return not isinstance(response, Encoded) and response.HasField("response_headers")
+
+
+def hold(seconds: float) -> Message:
     """Give pdproc `seconds` (instead of the filter's message_timeout) to answer the message
     Envoy is waiting on. Envoy honours only the first such request per message."""
-    response = Response()
+    response = Message()
     whole = int(seconds)
     response.override_message_timeout.seconds = whole
     response.override_message_timeout.nanos = int((seconds - whole) * 1e9)

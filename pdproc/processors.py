@@ -45,6 +45,7 @@ from pdproc.connectors import (
     Sequential,
 )
 from pdproc.errors import ErrorKind, ErrorReply
+from pdproc.extproc_wire import Body
 from pdproc.ledger import Ledger
 from pdproc.metrics import Metrics, Outcome, PrefillResult
 from pdproc.prefill import PrefillJob, PrefillOutcome
@@ -199,7 +200,7 @@ class RequestProcessor(Protocol):
 
     async def request_headers(self) -> Answer: ...
 
-    async def request_body(self, body: pb.HttpBody) -> Answer: ...
+    async def request_body(self, body: Body) -> Answer: ...
 
     def request_trailers(self) -> Answer: ...
 
@@ -221,7 +222,7 @@ class PassThrough:
     async def request_headers(self) -> Answer:
         return msg.PASS_THROUGH_HEADERS
 
-    async def request_body(self, body: pb.HttpBody) -> Answer:
+    async def request_body(self, body: Body) -> Answer:
         return msg.CONTINUE_REQUEST_BODY
 
     def request_trailers(self) -> Answer:
@@ -244,13 +245,11 @@ class Rejected(PassThrough):
     async def request_headers(self) -> Answer:
         return self.context.reject(self._reply)
 
-    async def request_body(self, body: pb.HttpBody) -> Answer:
+    async def request_body(self, body: Body) -> Answer:
         return self.context.reject(self._reply)
 
 
-def checked_body(
-    context: RequestContext, body: pb.HttpBody, max_bytes: int
-) -> ClientRequest | ErrorReply:
+def checked_body(context: RequestContext, body: Body, max_bytes: int) -> ClientRequest | ErrorReply:
     """The checks every P/D-path body passes before anything is done with it."""
     if not body.end_of_stream:
         # Only BUFFERED delivers the whole body at once; a partial body means it outgrew
@@ -279,7 +278,7 @@ class DecodeOnly(PassThrough):
     async def request_headers(self) -> Answer:
         return msg.CHECK_BODY_ONLY_HEADERS
 
-    async def request_body(self, body: pb.HttpBody) -> Answer:
+    async def request_body(self, body: Body) -> Answer:
         with self._deps.budget.hold(len(body.body)) as admitted:
             if not admitted:
                 return self.context.reject(_OVERLOADED)
@@ -330,7 +329,7 @@ class Disaggregated:
     def _headers_answer(self) -> msg.Response:
         return msg.CONTINUE_REQUEST_HEADERS
 
-    async def request_body(self, body: pb.HttpBody) -> Answer:
+    async def request_body(self, body: Body) -> Answer:
         with self._deps.budget.hold(len(body.body)) as admitted:
             if not admitted:
                 return self.context.reject(_OVERLOADED)
@@ -584,12 +583,12 @@ class ConcurrentPair(Disaggregated):
         self._deps.metrics.streamed_bodies.inc()
         return msg.STREAMED_HEADERS
 
-    async def request_body(self, body: pb.HttpBody) -> Answer:
+    async def request_body(self, body: Body) -> Answer:
         if self._streamed is None:
             return await super().request_body(body)
         return await self._stream_chunk(body, self._streamed)
 
-    async def _stream_chunk(self, body: pb.HttpBody, streamed: StreamedBody) -> Answer:
+    async def _stream_chunk(self, body: Body, streamed: StreamedBody) -> Answer:
         """A chunk of a streamed body: on at once, except the held-back tail."""
         if not self._budget.grow(len(body.body)):
             return self._stream_refused(_OVERLOADED)

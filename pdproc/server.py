@@ -19,7 +19,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdproc import limits
-from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.bootstrap import EngineMaps, Siblings
 from pdproc.breaker import CircuitBreakers
 from pdproc.config import KvConnector, Settings
@@ -28,6 +27,7 @@ from pdproc.connectors.mooncake import Mooncake
 from pdproc.connectors.nixlv2 import NixlV2
 from pdproc.connectors.sglang import SGLang
 from pdproc.discovery import DnsPool
+from pdproc.extproc_wire import read_request, write_response
 from pdproc.http_site import BoundedTCPSite
 from pdproc.listeners import PortInUse
 from pdproc.metrics import MULTIPROC_ENV, Metrics
@@ -134,7 +134,7 @@ class Server:
                 *limits.grpc_options(),
             ]
         )
-        pb_grpc.add_ExternalProcessorServicer_to_server(self.service, server)
+        _add_ext_proc(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         listen = str(s.listen)
         self.port = _bind(server, listen, _server_credentials(s))
@@ -378,3 +378,19 @@ def run(
     except PortInUse as exc:
         log.error("%s", exc)
         return 2
+
+
+def _add_ext_proc(service: ExtProcService, server: grpc.aio.Server) -> None:
+    """The ext_proc service, its body messages read and written with one copy of the body
+    (pdproc.extproc_wire) where protobuf's generated code would make several."""
+    handlers = {
+        "Process": grpc.stream_stream_rpc_method_handler(
+            service.Process,
+            request_deserializer=read_request,
+            response_serializer=write_response,
+        )
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, handlers),)
+    )
+    server.add_registered_method_handlers(EXT_PROC_SERVICE, handlers)

@@ -21,6 +21,7 @@ from pdproc.config import BootstrapPolicy, Settings
 from pdproc.connectors import Concurrent, Connector
 from pdproc.discovery import DnsPool
 from pdproc.errors import ErrorKind, ErrorReply, shown
+from pdproc.extproc_wire import BodyRequest
 from pdproc.ledger import Ledger
 from pdproc.metrics import Metrics, Outcome
 from pdproc.picker import (
@@ -89,7 +90,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     async def Process(
         self,
-        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        request_iterator: AsyncIterator[pb.ProcessingRequest | BodyRequest],
         context: ServicerContext,
     ) -> None:
         stream = Stream(self, context)

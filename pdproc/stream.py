@@ -23,13 +23,17 @@ from google.protobuf.message import DecodeError
 from pdproc import extproc_messages as msg
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.errors import ErrorKind, ErrorReply
+from pdproc.extproc_wire import BodyRequest
 from pdproc.ledger import Ledger
 from pdproc.metrics import Outcome
 from pdproc.processors import Abort, Deferred, RequestProcessor
 
 log = logging.getLogger(__name__)
 
-ServicerContext: TypeAlias = "grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse]"
+# What gRPC reads and writes (pdproc.extproc_wire's (de)serializers).
+ServicerContext: TypeAlias = (
+    "grpc.aio.ServicerContext[pb.ProcessingRequest | BodyRequest, msg.Response]"
+)
 
 
 class Phase(Enum):
@@ -126,12 +130,12 @@ class Stream:
             processor.context.finish(outcome)
         processor.context.close()
 
-    async def _answer(self, message: pb.ProcessingRequest) -> msg.Response | Deferred:
+    async def _answer(self, message: pb.ProcessingRequest | BodyRequest) -> msg.Response | Deferred:
+        if isinstance(message, BodyRequest):
+            return await self._request_body(message)
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             return await self._request_headers(message.request_headers)
-        if kind == "request_body":
-            return await self._request_body(message)
         if kind == "response_headers":
             self.phase = Phase.RESPONSE
             if self._processor is None:
@@ -156,11 +160,11 @@ class Stream:
         self.phase = Phase.RESPONSE_HEADERS if end else Phase.REQUEST_BODY
         return await processor.request_headers()
 
-    async def _request_body(self, message: pb.ProcessingRequest) -> msg.Response | Deferred:
+    async def _request_body(self, message: BodyRequest) -> msg.Response | Deferred:
         processor = self._processor
         if processor is None and self.phase is Phase.REQUEST_HEADERS:
             # Single-message mode (request headers SKIP): the headers came as attributes.
-            attributes = msg.headers_from_attributes(message)
+            attributes = msg.headers_from_attributes(message.rest)
             if attributes is None:
                 return msg.CONTINUE_REQUEST_BODY  # a body before any headers
             processor = self._open(attributes, False, single_message=True)
@@ -232,11 +236,11 @@ class Stream:
         async with self._write_lock:
             if self.phase is Phase.DONE:
                 return
-            if response.HasField("immediate_response"):
+            if msg.ends_request(response):
                 self.phase = Phase.DONE
             try:
                 await self._context.write(response)
-                if response.HasField("response_headers"):
+                if msg.answers_response_headers(response):
                     self._answered = True
             except (grpc.aio.AbortError, grpc.aio.UsageError, RuntimeError) as exc:
                 # Envoy already closed the stream (client gone): nothing can be answered.

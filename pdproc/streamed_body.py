@@ -16,6 +16,7 @@ Pure: no I/O, so it is tested without servers.
 
 from __future__ import annotations
 
+from pdproc.extproc_wire import Buffer
 from pdproc.request_body import BodyError, closing_brace
 
 # Bytes held back at the end of the body. The closing brace must fall among them: JSON
@@ -45,7 +46,7 @@ class StreamedBody:
         self._received = 0
         self._released = 0  # bytes already passed on to the decode
 
-    def feed(self, chunk: bytes, end_of_stream: bool) -> bytes | None:
+    def feed(self, chunk: bytes, end_of_stream: bool) -> Buffer | None:
         """Take one chunk; None when it goes on unchanged, else the bytes that replace it.
         BodyError when the body does not match its content-length."""
         start = self._received
@@ -62,7 +63,7 @@ class StreamedBody:
             return None
         # The chunk reaches into the tail: only what comes before the tail goes on.
         self._released = self._hold_from
-        return chunk[: max(self._hold_from - start, 0)]
+        return memoryview(chunk)[: max(self._hold_from - start, 0)]
 
     def whole(self) -> bytes:
         """The client's body as it arrived (after the last chunk), once: the chunks are let
@@ -70,9 +71,10 @@ class StreamedBody:
         parts, self._parts = self._parts, []
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def tail(self, whole: bytes, insertion: bytes, *, empty_object: bool) -> bytes:
+    def tail(self, whole: bytes, insertion: bytes, *, empty_object: bool) -> tuple[Buffer, ...]:
         """The held-back bytes, with `insertion` (JSON object members, no separator; may be
-        empty) spliced in before the closing brace.
+        empty) spliced in before the closing brace, as pieces (views of `whole`) that the
+        answer joins: a body that came in one chunk is all tail, and is copied once.
 
         `whole` must be a JSON object (parse_body proved it); `empty_object` says it has no
         members (no comma before the insertion then)."""
@@ -81,9 +83,8 @@ class StreamedBody:
             raise BodyError(
                 f"more than {TAIL - 1} bytes of white space follow the request body's closing brace"
             )
-        if not insertion:
-            return whole[self._released :]
-        separator = b"" if empty_object else b","
-        # A body that came in one chunk is all tail: copy it once, not once per slice.
         view = memoryview(whole)
-        return b"".join((view[self._released : brace], separator, insertion, view[brace:]))
+        if not insertion:
+            return (view[self._released :],)
+        separator = b"" if empty_object else b","
+        return (view[self._released : brace], separator, insertion, view[brace:])

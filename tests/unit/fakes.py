@@ -15,12 +15,14 @@ from opentelemetry.sdk.trace import Span as SdkSpan
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Span
 
+from pdproc import extproc_messages as msg
 from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.bootstrap import BootstrapError
 from pdproc.budget import ByteBudget
 from pdproc.config import Settings
 from pdproc.connectors import EngineMap, Legs
+from pdproc.extproc_wire import Body, read_request, write_response
 from pdproc.ledger import Ledger
 from pdproc.metrics import Metrics, Outcome, PrefillResult
 from pdproc.prefill import PrefillJob, PrefillOutcome
@@ -188,14 +190,19 @@ def recording_span() -> SdkSpan:
     return span
 
 
-def body(raw: bytes = CHAT_BYTES, end_of_stream: bool = True) -> pb.HttpBody:
-    return pb.HttpBody(body=raw, end_of_stream=end_of_stream)
+def body(raw: bytes = CHAT_BYTES, end_of_stream: bool = True) -> Body:
+    return Body(raw, end_of_stream)
 
 
 def response_headers(status: str = "200") -> pb.HttpHeaders:
     return pb.HttpHeaders(
         headers=HeaderMap(headers=[HeaderValue(key=":status", raw_value=status.encode())])
     )
+
+
+def wire(answer: msg.Response) -> pb.ProcessingResponse:
+    """An answer as Envoy reads it: serialised by pdproc's serializer, parsed by protobuf."""
+    return pb.ProcessingResponse.FromString(write_response(answer))
 
 
 class FakeCall:
@@ -219,12 +226,16 @@ class FakeCall:
         message = await self._incoming.get()
         if isinstance(message, BaseException):
             raise message
-        return message
+        if message is grpc.aio.EOF:
+            return message
+        # As gRPC hands it to pdproc: through pdproc's own deserializer.
+        return read_request(message.SerializeToString())
 
-    async def write(self, response: pb.ProcessingResponse) -> None:
+    async def write(self, response: msg.Response) -> None:
         if self.fail_writes is not None:
             raise self.fail_writes
-        self.written.append(response)
+        # As Envoy reads it: serialised by pdproc's serializer, parsed by protobuf.
+        self.written.append(wire(response))
         self.wrote.set()
 
     def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:

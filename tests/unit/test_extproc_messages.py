@@ -12,16 +12,22 @@ from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.google.protobuf.struct_pb2 import Struct
 from pdproc.errors import ErrorKind, ErrorReply
+from pdproc.extproc_wire import write_response
 from pdproc.targets import PREFILL_HEADER
 
 
-def set_headers(response: pb.ProcessingResponse, part: str) -> dict[str, bytes]:
-    common = getattr(response, part).response
+def wire(answer: msg.Response) -> pb.ProcessingResponse:
+    """The answer as Envoy reads it."""
+    return pb.ProcessingResponse.FromString(write_response(answer))
+
+
+def set_headers(response: msg.Response, part: str) -> dict[str, bytes]:
+    common = getattr(wire(response), part).response
     return {h.header.key: h.header.raw_value for h in common.header_mutation.set_headers}
 
 
-def checked(response: pb.ProcessingResponse) -> bool:
-    fields = response.dynamic_metadata.fields
+def checked(response: msg.Response) -> bool:
+    fields = wire(response).dynamic_metadata.fields
     return (
         msg.METADATA_NAMESPACE in fields
         and fields[msg.METADATA_NAMESPACE].struct_value.fields[msg.METADATA_CHECKED_KEY].bool_value
@@ -45,7 +51,7 @@ def test_a_rewritten_body_with_headers_held_sets_its_length_and_the_request_id()
         "content-length": b"7",
         "x-request-id": b"pd-1",
     }
-    assert answer.request_body.response.body_mutation.body == b'{"a":1}'
+    assert wire(answer).request_body.response.body_mutation.body == b'{"a":1}'
     assert checked(answer)
 
 
@@ -66,12 +72,17 @@ def test_a_body_passed_on_unchanged_is_marked_checked() -> None:
 
 def test_streamed_chunks() -> None:
     assert msg.chunk_response(None) is msg.CONTINUE_REQUEST_BODY
-    assert msg.chunk_response(b"").request_body.response.body_mutation.clear_body
-    assert msg.chunk_response(b"ab").request_body.response.body_mutation.body == b"ab"
+    assert wire(msg.chunk_response(b"")).request_body.response.body_mutation.clear_body
+    assert wire(msg.chunk_response(b"ab")).request_body.response.body_mutation.body == b"ab"
+    part = memoryview(b"abcd")[1:3]
+    assert wire(msg.chunk_response(part)).request_body.response.body_mutation.body == b"bc"
     assert not checked(msg.chunk_response(b"ab"))  # only the last chunk is marked
-    last = msg.last_chunk_response(b"}")
-    assert last.request_body.response.body_mutation.body == b"}"
+    last = msg.last_chunk_response((memoryview(b"xa"), b",", b"}"))
+    assert wire(last).request_body.response.body_mutation.body == b"xa,}"
     assert checked(last)
+    nothing = msg.last_chunk_response((b"", memoryview(b"")))
+    assert wire(nothing).request_body.response.body_mutation.clear_body
+    assert checked(nothing)
 
 
 def test_an_error_answer_is_openai_shaped_and_labelled() -> None:

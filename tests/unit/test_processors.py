@@ -31,7 +31,17 @@ from pdproc.processors import (
     prefill_error,
 )
 
-from .fakes import CHAT, CHAT_BYTES, POD, World, body, recording_span, response_headers, settle
+from .fakes import (
+    CHAT,
+    CHAT_BYTES,
+    POD,
+    World,
+    body,
+    recording_span,
+    response_headers,
+    settle,
+    wire,
+)
 
 KV = "kv_transfer_params"
 
@@ -66,7 +76,7 @@ def status(answer: Any) -> int:
 
 def rewritten(answer: Any) -> dict[str, Any]:
     assert isinstance(answer, msg.Response)
-    data: dict[str, Any] = orjson.loads(answer.request_body.response.body_mutation.body)
+    data: dict[str, Any] = orjson.loads(wire(answer).request_body.response.body_mutation.body)
     return data
 
 
@@ -387,7 +397,7 @@ async def test_a_large_body_streams_on_and_its_tail_carries_the_decode_fields() 
     tail = await processor.request_body(last)
     assert isinstance(tail, msg.Response)
     # The last chunk is replaced by the held-back bytes, the decode's fields spliced in.
-    decode = orjson.loads(first.body + tail.request_body.response.body_mutation.body)
+    decode = orjson.loads(first.body + wire(tail).request_body.response.body_mutation.body)
     assert (
         decode[KV]["transfer_id"]
         == orjson.loads(world.launcher.job.legs.prefill_body)[KV]["transfer_id"]
@@ -493,7 +503,7 @@ async def test_a_streamed_body_with_decode_only_policy_ends_without_fields() -> 
     await processor.request_body(first)
     tail = await processor.request_body(last)
     assert isinstance(tail, msg.Response)
-    assert tail.request_body.response.body_mutation.body == last.body  # no fields spliced
+    assert wire(tail).request_body.response.body_mutation.body == last.body  # no fields spliced
     assert world.counted.only is Outcome.DECODE_ONLY
 
 

@@ -61,7 +61,7 @@ def test_the_chunk_crossing_into_the_tail_is_cut_before_it() -> None:
     assert streamed.feed(b"", False) == b""
     assert streamed.feed(raw[999:], True) is None  # answered by tail()
     assert streamed.whole() == raw
-    assert streamed.tail(raw, b"", empty_object=False) == raw[-TAIL:]
+    assert b"".join(streamed.tail(raw, b"", empty_object=False)) == raw[-TAIL:]
 
 
 def test_a_chunk_wholly_inside_the_tail_gives_empty_bytes() -> None:
@@ -70,7 +70,7 @@ def test_a_chunk_wholly_inside_the_tail_gives_empty_bytes() -> None:
     assert streamed.feed(raw[: len(raw) - TAIL], False) is None
     assert streamed.feed(raw[len(raw) - TAIL : len(raw) - 1], False) == b""
     assert streamed.feed(raw[-1:], True) is None
-    assert streamed.tail(raw, b"", empty_object=False) == raw[-TAIL:]
+    assert b"".join(streamed.tail(raw, b"", empty_object=False)) == raw[-TAIL:]
 
 
 def test_a_first_chunk_that_reaches_into_the_tail_is_cut() -> None:
@@ -86,14 +86,14 @@ def test_end_of_stream_gives_none_and_the_tail_is_the_rest() -> None:
     assert streamed.feed(raw[:50], False) is None
     assert streamed.feed(raw[50:], True) is None
     # Nothing past byte 50 went on yet: the tail carries all of it.
-    assert streamed.tail(raw, b"", empty_object=False) == raw[50:]
+    assert b"".join(streamed.tail(raw, b"", empty_object=False)) == raw[50:]
 
 
 def test_a_body_in_one_end_of_stream_chunk_is_all_tail() -> None:
     raw = chat(200)
     streamed = StreamedBody(len(raw))
     assert streamed.feed(raw, True) is None
-    tail = streamed.tail(raw, members(KV), empty_object=False)
+    tail = b"".join(streamed.tail(raw, members(KV), empty_object=False))
     assert orjson.loads(tail) == {**orjson.loads(raw), **KV}
 
 
@@ -101,7 +101,7 @@ def test_tail_splices_the_insertion_before_the_closing_brace() -> None:
     raw = chat(500)
     streamed = StreamedBody(len(raw))
     _, released = feed_all(streamed, [raw[:200], raw[200:490], raw[490:]])
-    tail = streamed.tail(raw, members(KV), empty_object=False)
+    tail = b"".join(streamed.tail(raw, members(KV), empty_object=False))
     assert tail == raw[len(raw) - TAIL : -1] + b"," + members(KV) + b"}"
     body = b"".join(released) + tail
     assert orjson.loads(body) == {**orjson.loads(raw), **KV}
@@ -112,7 +112,7 @@ def test_tail_with_an_empty_insertion_is_the_held_bytes_verbatim() -> None:
     streamed = StreamedBody(len(raw))
     _, released = feed_all(streamed, [raw[:480], raw[480:500], raw[500:]])
     assert released == [raw[:480], raw[480 : len(raw) - TAIL]]
-    tail = streamed.tail(raw, b"", empty_object=False)
+    tail = b"".join(streamed.tail(raw, b"", empty_object=False))
     assert tail == raw[len(raw) - TAIL :]
     assert b"".join(released) + tail == raw
 
@@ -122,7 +122,7 @@ def test_tail_of_a_padded_empty_object_has_no_comma() -> None:
     assert orjson.loads(raw) == {}
     streamed = StreamedBody(len(raw))
     _, released = feed_all(streamed, [raw[:10], raw[10:55], raw[55:]])
-    tail = streamed.tail(raw, members(KV), empty_object=True)
+    tail = b"".join(streamed.tail(raw, members(KV), empty_object=True))
     assert tail == raw[len(raw) - TAIL : -1] + members(KV) + b"}"
     body = b"".join(released) + tail
     assert orjson.loads(body) == KV
@@ -134,7 +134,7 @@ def test_trailing_whitespace_inside_the_tail_is_kept_after_the_brace(blanks: byt
     raw = chat(300) + blanks
     streamed = StreamedBody(len(raw))
     _, released = feed_all(streamed, [raw[:100], raw[100:]])
-    tail = streamed.tail(raw, members(KV), empty_object=False)
+    tail = b"".join(streamed.tail(raw, members(KV), empty_object=False))
     assert tail.endswith(b"}" + blanks)
     body = b"".join(released) + tail
     assert orjson.loads(body) == {**orjson.loads(raw), **KV}
@@ -146,7 +146,7 @@ def test_fifteen_trailing_blanks_are_the_most_allowed() -> None:
     # Up to the first held byte, which is the closing brace itself.
     _, released = feed_all(streamed, [raw[: len(raw) - TAIL], raw[len(raw) - TAIL :]])
     assert raw[len(raw) - TAIL] == ord("}")
-    tail = streamed.tail(raw, members(KV), empty_object=False)
+    tail = b"".join(streamed.tail(raw, members(KV), empty_object=False))
     assert tail == b"," + members(KV) + b"}" + b" " * (TAIL - 1)
     assert orjson.loads(b"".join(released) + tail) == {**orjson.loads(raw), **KV}
 
@@ -159,7 +159,7 @@ def test_too_much_trailing_whitespace_is_a_body_error(extra: int) -> None:
     _, released = feed_all(streamed, [raw[:100], raw[100:-1], raw[-1:]])
     assert b"}" in b"".join(released)
     with pytest.raises(BodyError, match="closing brace"):
-        streamed.tail(raw, members(KV), empty_object=False)
+        b"".join(streamed.tail(raw, members(KV), empty_object=False))
 
 
 @pytest.mark.parametrize("insertion", [members(KV), b""], ids=["fields", "none"])
@@ -172,7 +172,7 @@ def test_too_much_trailing_whitespace_is_refused_even_with_the_brace_still_held(
     streamed = StreamedBody(len(raw))
     feed_all(streamed, [raw])  # one chunk: nothing went on before the end
     with pytest.raises(BodyError, match="closing brace"):
-        streamed.tail(raw, insertion, empty_object=False)
+        b"".join(streamed.tail(raw, insertion, empty_object=False))
 
 
 def test_a_body_longer_than_its_content_length_is_a_body_error() -> None:
@@ -321,7 +321,7 @@ def test_streamed_chunks_and_tail_make_the_rewritten_body(
         assert raw.startswith(sent)
         assert len(sent) <= len(raw) - TAIL
     assert streamed.whole() == raw
-    body = sent + streamed.tail(raw, members(fields), empty_object=not original)
+    body = sent + b"".join(streamed.tail(raw, members(fields), empty_object=not original))
     assert orjson.loads(body) == {**original, **fields}
     if not fields:
         assert body == raw
