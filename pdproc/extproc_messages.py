@@ -17,7 +17,8 @@ from pdproc._proto.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.type.v3.http_status_pb2 import HttpStatus
 from pdproc.errors import ErrorReply
-from pdproc.extproc_wire import Buffer, Encoded, body_answer
+from pdproc.extproc_wire import Encoded, body_answer
+from pdproc.request_body import Buffer
 from pdproc.targets import PREFILL_HEADER
 
 Message: TypeAlias = pb.ProcessingResponse

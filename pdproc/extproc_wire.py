@@ -22,11 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
 
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-
-Buffer: TypeAlias = bytes | memoryview
+from pdproc.request_body import Buffer
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 

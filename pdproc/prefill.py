@@ -25,6 +25,7 @@ from pdproc.connectors import Legs
 from pdproc.gateway_fields import GATEWAY_HEADERS
 from pdproc.metrics import Metrics, PrefillResult
 from pdproc.pod_http import discard, locally_exhausted, read_at_most
+from pdproc.request_body import Pieces
 from pdproc.targets import PREFILL_HEADER, HostPort
 from pdproc.telemetry import (
     ATTR_DURATION_MS,
@@ -113,17 +114,34 @@ class PrefillOutcome:
         return self.outcome is _OK
 
 
-class _SentOnce(aiohttp.BytesPayload):
-    """A prefill body that lets go of its bytes once written: a long prompt is not held for
-    the rest of the prefill (POST is never re-sent by aiohttp, so nothing writes it twice)."""
+class _SentOnce(aiohttp.Payload):
+    """A prefill body written piece by piece (pdproc.request_body.Pieces: a long prompt is
+    a view of the client's bytes, never joined here) and let go of once written: it is not
+    held for the rest of the prefill (POST is never re-sent by aiohttp, so nothing writes it
+    twice)."""
+
+    def __init__(self, body: Pieces) -> None:
+        super().__init__(body.parts, content_type="application/json")
+        self._size = len(body)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return b"".join(self._value).decode(encoding, errors)
+
+    async def write(self, writer: aiohttp.abc.AbstractStreamWriter) -> None:
+        await self.write_with_length(writer, None)
 
     async def write_with_length(
         self, writer: aiohttp.abc.AbstractStreamWriter, content_length: int | None
     ) -> None:
-        try:
-            await super().write_with_length(writer, content_length)
-        finally:
-            self._value = b""
+        # The request head goes out on its own: aiohttp would otherwise join it with the
+        # first piece (a copy of a long prompt, held until the pod has read it all).
+        send_headers = getattr(writer, "send_headers", None)
+        if send_headers is not None:
+            send_headers()
+        parts, self._value = list(self._value), ()
+        parts.reverse()
+        while parts:
+            await writer.write(parts.pop())
 
 
 @dataclass(slots=True)
@@ -203,10 +221,10 @@ class PrefillLauncher:
             for key, value in legs.facts.items():
                 span.set_attribute(f"pdproc.{key}", value)
             self._tracing.inject(span, headers)
-        body = _SentOnce(legs.prefill_body, content_type="application/json")
+        body = _SentOnce(legs.prefill_body)
         job = PrefillJob(
             target,
-            replace(legs, prefill_body=b"", decode_body=None),
+            replace(legs, prefill_body=Pieces(()), decode_body=None),
             client_headers.get("x-request-id", ""),
             path,
             time.perf_counter(),
@@ -239,7 +257,7 @@ class PrefillLauncher:
             )
 
     async def _exchange(
-        self, job: PrefillJob, headers: dict[str, str], body: aiohttp.BytesPayload
+        self, job: PrefillJob, headers: dict[str, str], body: aiohttp.Payload
     ) -> None:
         url = job.target.url() + job.path
         try:

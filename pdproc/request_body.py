@@ -18,6 +18,7 @@ members that are not plain ASCII strings are decoded in full once, in C, to chec
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import msgspec
@@ -27,6 +28,8 @@ from pdproc.gateway_fields import KV_PARAMS as KV_PARAMS
 
 Members: TypeAlias = dict[str, msgspec.Raw]
 """A JSON object's members: each value as the client's bytes (a slice of its body)."""
+
+Buffer: TypeAlias = bytes | memoryview
 
 
 class BodyError(ValueError):
@@ -122,10 +125,53 @@ def value_of(members: Mapping[str, Any], key: str) -> Any:
 
 def dumps(data: Mapping[str, Any]) -> bytes:
     """Serialise a body pdproc built: Raw members are copied as the client's bytes."""
+    return _encode(data)
+
+
+def _encode(value: Any) -> bytes:
     try:
-        return _ENCODER.encode(data)
+        return _ENCODER.encode(value)
     except (TypeError, ValueError, RecursionError) as exc:
         raise BodyError(f"request body cannot be forwarded: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """A body pdproc built, in pieces that are sent one after the other and never joined:
+    the client's long members are views of its own bytes, so a long prompt is not copied
+    (and costs no memory beyond the client's body) on its way to the prefill pod."""
+
+    parts: tuple[Buffer, ...]
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.parts)
+
+
+# Members at least this long go to the pod as views of the client's bytes; shorter ones are
+# copied into the piece around them (a few pieces per body, not one per member).
+_VIEWED_FROM = 4096
+
+
+def dump_pieces(data: Mapping[str, Any]) -> Pieces:
+    """`dumps(data)`, in pieces: the long Raw members are not copied."""
+    parts: list[Buffer] = []
+    pending = bytearray(b"{")
+    for key, value in data.items():
+        if len(pending) > 1 or parts:
+            pending += b","
+        pending += _encode(key)
+        pending += b":"
+        if isinstance(value, msgspec.Raw) and len(value) >= _VIEWED_FROM:
+            parts += (bytes(pending), memoryview(value))
+            pending = bytearray()
+        else:
+            pending += _encode(value)
+    pending += b"}"
+    parts.append(bytes(pending))
+    return Pieces(tuple(parts))
 
 
 def members(fields: Mapping[str, Any]) -> bytes:

@@ -16,8 +16,7 @@ Pure: no I/O, so it is tested without servers.
 
 from __future__ import annotations
 
-from pdproc.extproc_wire import Buffer
-from pdproc.request_body import BodyError, closing_brace
+from pdproc.request_body import BodyError, Buffer, closing_brace
 
 # Bytes held back at the end of the body. The closing brace must fall among them: JSON
 # allows whitespace after it, and a client that sends more than 15 bytes of it gets a 400.

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol, TypeAlias
 
-from pdproc.request_body import with_fields
+from pdproc.request_body import Pieces, with_fields
 from pdproc.targets import HostPort
 
 EngineMap = dict[int, str]
@@ -36,7 +36,7 @@ class Legs:
     """One disaggregated request's legs, built before Envoy gets its answer, so a body that
     cannot be built is the client's 400, never a failed prefill."""
 
-    prefill_body: bytes
+    prefill_body: Pieces
     # None when the decode leg is built from the prefill's answer (sequential connectors),
     # or streamed to the decode with the plan's fields spliced into its tail.
     decode_body: bytes | None
@@ -130,7 +130,7 @@ class Concurrent:
     ) -> Plan:
         raise NotImplementedError
 
-    def prefill_body(self, request: ClientRequest, plan: Plan, decode_body: bytes | None) -> bytes:
+    def prefill_body(self, request: ClientRequest, plan: Plan, decode_body: bytes | None) -> Pieces:
         """The prefill leg (`decode_body`, when built, may be reused)."""
         raise NotImplementedError
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdproc.connectors import ClientRequest, Concurrent, EngineMap, Plan
-from pdproc.request_body import KV_PARAMS, dumps, prime_single_token
+from pdproc.request_body import KV_PARAMS, Pieces, dump_pieces, prime_single_token
 from pdproc.targets import HostPort
 
 RANK_HEADER = "x-data-parallel-rank"
@@ -50,11 +50,11 @@ def prefill_params(transfer_id: str) -> dict[str, Any]:
     return {"do_remote_prefill": False, "do_remote_decode": True, "transfer_id": transfer_id}
 
 
-def prefill_body(path: str, parsed: Mapping[str, Any], params: Mapping[str, Any]) -> bytes:
+def prefill_body(path: str, parsed: Mapping[str, Any], params: Mapping[str, Any]) -> Pieces:
     """The body pdproc sends to the prefill pod: the client's, primed to produce one token."""
     data = {**parsed, KV_PARAMS: params}
     prime_single_token(path, data, parsed)
-    return dumps(data)
+    return dump_pieces(data)
 
 
 class Mooncake(Concurrent):
@@ -84,5 +84,5 @@ class Mooncake(Concurrent):
             facts={"transfer_id": transfer_id, "dp_rank": rank, "engine_id": engine_id},
         )
 
-    def prefill_body(self, request: ClientRequest, plan: Plan, decode_body: bytes | None) -> bytes:
+    def prefill_body(self, request: ClientRequest, plan: Plan, decode_body: bytes | None) -> Pieces:
         return prefill_body(request.path, request.parsed, plan.prefill_params)

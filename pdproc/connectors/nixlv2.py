@@ -25,7 +25,14 @@ import orjson
 
 from pdproc.connectors import AnswerError, ClientRequest, EngineMap, Legs, NoKvParams, OnFailure
 from pdproc.errors import shown
-from pdproc.request_body import KV_PARAMS, BodyError, dumps, prime_single_token, with_field
+from pdproc.request_body import (
+    KV_PARAMS,
+    BodyError,
+    Pieces,
+    dump_pieces,
+    prime_single_token,
+    with_field,
+)
 from pdproc.targets import HostPort
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -46,12 +53,12 @@ def token_limit_fields(path: str) -> tuple[str, ...]:
     return ("max_tokens", "max_completion_tokens")
 
 
-def prefill_body(path: str, parsed: Mapping[str, Any]) -> bytes:
+def prefill_body(path: str, parsed: Mapping[str, Any]) -> Pieces:
     data = {**parsed, KV_PARAMS: PREFILL_PARAMS}
     prime_single_token(path, data, parsed)
     for name in token_limit_fields(path):
         data[name] = 1
-    return dumps(data)
+    return dump_pieces(data)
 
 
 # Bounds on a prefill's kv_transfer_params. A real answer names a few hundred to a few

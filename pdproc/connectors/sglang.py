@@ -13,7 +13,7 @@ import secrets
 from collections.abc import Mapping
 
 from pdproc.connectors import ClientRequest, Concurrent, EngineMap, Plan
-from pdproc.request_body import with_fields
+from pdproc.request_body import Pieces, with_fields
 from pdproc.targets import HostPort
 
 
@@ -42,8 +42,8 @@ class SGLang(Concurrent):
             facts={"bootstrap_room": room},
         )
 
-    def prefill_body(self, request: ClientRequest, plan: Plan, decode_body: bytes | None) -> bytes:
+    def prefill_body(self, request: ClientRequest, plan: Plan, decode_body: bytes | None) -> Pieces:
         # The prefill meets the decode in the same room: it gets the same body.
         if decode_body is not None:
-            return decode_body
-        return with_fields(request.raw, request.parsed, plan.decode_fields)
+            return Pieces((decode_body,))
+        return Pieces((with_fields(request.raw, request.parsed, plan.decode_fields),))

@@ -16,6 +16,7 @@ from aiohttp import web
 from pdproc.connectors import Legs
 from pdproc.metrics import Metrics
 from pdproc.prefill import PrefillLauncher
+from pdproc.request_body import Pieces
 from pdproc.targets import HostPort
 
 
@@ -40,7 +41,7 @@ async def test_the_prefill_body_is_let_go_once_sent_while_the_pod_computes() -> 
             launcher = PrefillLauncher(client, Metrics(), timeout_s=30)
             body = b'{"prompt":"' + b"x" * (4 << 20) + b'"}'
             alone = sys.getrefcount(body)  # this frame's only
-            legs = Legs(prefill_body=body, decode_body=body + b" ", prefill_headers={})
+            legs = Legs(prefill_body=Pieces((body,)), decode_body=body + b" ", prefill_headers={})
             job = launcher.launch(
                 target=HostPort("127.0.0.1", port),
                 legs=legs,
@@ -55,7 +56,7 @@ async def test_the_prefill_body_is_let_go_once_sent_while_the_pod_computes() -> 
             assert received == [len(body)]
             gc.collect()
             assert sys.getrefcount(body) == alone, "the prefill body outlived its sending"
-            assert job.legs.prefill_body == b""
+            assert bytes(job.legs.prefill_body) == b""
             assert job.legs.decode_body is None
             assert not job.outcome.done()
             answer.set()

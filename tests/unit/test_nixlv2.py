@@ -49,7 +49,7 @@ def request(raw: bytes = RAW, path: str = "/v1/chat/completions") -> ClientReque
 
 def test_the_prefill_leg_is_primed_to_one_token_and_carries_the_request_id() -> None:
     legs = NixlV2().legs(request(), POD, None, {})
-    prefill = orjson.loads(legs.prefill_body)
+    prefill = orjson.loads(bytes(legs.prefill_body))
     assert prefill["max_tokens"] == 1
     assert prefill["max_completion_tokens"] == 1
     assert prefill["stream"] is False

@@ -10,6 +10,7 @@ import aiohttp
 from pdproc.connectors import Legs
 from pdproc.metrics import Metrics, PrefillResult
 from pdproc.prefill import PrefillJob, PrefillLauncher, PrefillOutcome
+from pdproc.request_body import Pieces
 from pdproc.targets import HostPort
 
 # Nothing listens there, and nothing is sent: the prefill is cancelled before it starts.
@@ -25,7 +26,7 @@ async def test_a_prefill_cancelled_before_it_started_is_counted_and_forgotten() 
         launcher = PrefillLauncher(
             session, metrics, timeout_s=5.0, on_outcome=lambda j, o: seen.append((j, o))
         )
-        legs = Legs(prefill_body=b"{}", decode_body=None, prefill_headers={}, rank=0)
+        legs = Legs(prefill_body=Pieces((b"{}",)), decode_body=None, prefill_headers={}, rank=0)
         job = launcher.launch(
             target=POD, legs=legs, path="/v1/completions", client_headers={}, keep_answer=False
         )

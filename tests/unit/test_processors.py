@@ -194,7 +194,7 @@ async def test_mooncake_pair_launches_both_legs_and_counts_pd_once_both_answered
     assert world.engines.prefetched == [POD]
     decode = rewritten(await processor.request_body(body()))
     job = world.launcher.job
-    prefill = orjson.loads(job.legs.prefill_body)
+    prefill = orjson.loads(bytes(job.legs.prefill_body))
     # The decode pulls what the prefill pushes: one transfer, named on both legs.
     assert decode[KV]["transfer_id"] == prefill[KV]["transfer_id"]
     assert decode[KV]["remote_engine_id"] == "engine-0"
@@ -214,7 +214,7 @@ async def test_sglang_pair_sends_both_legs_the_same_room(world: World) -> None:
     assert await processor.request_headers() is msg.CONTINUE_REQUEST_HEADERS
     assert world.engines.prefetched == []  # SGLang needs no engine map
     decode = rewritten(await processor.request_body(body()))
-    prefill = orjson.loads(world.launcher.job.legs.prefill_body)
+    prefill = orjson.loads(bytes(world.launcher.job.legs.prefill_body))
     assert decode == prefill
     assert decode["bootstrap_host"] == POD.host
 
@@ -400,7 +400,7 @@ async def test_a_large_body_streams_on_and_its_tail_carries_the_decode_fields() 
     decode = orjson.loads(first.body + wire(tail).request_body.response.body_mutation.body)
     assert (
         decode[KV]["transfer_id"]
-        == orjson.loads(world.launcher.job.legs.prefill_body)[KV]["transfer_id"]
+        == orjson.loads(bytes(world.launcher.job.legs.prefill_body))[KV]["transfer_id"]
     )
     assert world.budget.held == 0
     assert span.attributes is not None
@@ -518,7 +518,7 @@ async def test_nixl_decode_is_built_from_the_prefills_answer(world: World) -> No
     assert isinstance(deferred, Deferred)
     job = world.launcher.job
     assert job.keep_answer
-    assert orjson.loads(job.legs.prefill_body)["max_tokens"] == 1
+    assert orjson.loads(bytes(job.legs.prefill_body))["max_tokens"] == 1
     await settle(job, PrefillResult.OK, status=200, answer=nixl_answer())
     decode = rewritten(await deferred.later)
     assert decode[KV]["remote_engine_id"] == "e1"

@@ -8,6 +8,8 @@ from typing import Any
 import msgspec
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pdproc import request_body as rb
 from pdproc.connectors import ClientRequest, mooncake, nixlv2, sglang
@@ -21,7 +23,7 @@ def mooncake_legs(raw: bytes, path: str = "/v1/completions") -> tuple[Any, Any]:
     request = ClientRequest(path, raw, rb.parse_body(raw))
     legs = mooncake.Mooncake(8998).legs(request, TARGET, {0: "e0"}, {})
     assert legs.decode_body is not None
-    return json.loads(legs.prefill_body), json.loads(legs.decode_body)
+    return json.loads(bytes(legs.prefill_body)), json.loads(legs.decode_body)
 
 
 def test_members_are_slices_of_the_clients_bytes() -> None:
@@ -48,10 +50,10 @@ def test_the_prefill_leg_carries_the_clients_spelling_of_every_member_it_keeps()
         b'"seed":18446744073709551615',
         b'"logit_bias":{"50256":-100}',
     ):
-        assert spelled in legs.prefill_body
+        assert spelled in bytes(legs.prefill_body)
         assert legs.decode_body is not None
         assert spelled in legs.decode_body
-    prefill = json.loads(legs.prefill_body)
+    prefill = json.loads(bytes(legs.prefill_body))
     assert (prefill["max_tokens"], prefill["stream"], prefill["ignore_eos"]) == (1, False, True)
     assert "stop" not in prefill
     # The client's member order, pdproc's additions after them.
@@ -80,14 +82,14 @@ def test_a_gateway_field_given_twice_is_refused(name: str) -> None:
 def test_duplicate_keys_reach_the_prefill_once_and_primed(raw: bytes) -> None:
     for connector_prefill in (
         mooncake_legs(raw)[0],
-        json.loads(nixlv2.prefill_body("/v1/completions", rb.parse_body(raw))),
+        json.loads(bytes(nixlv2.prefill_body("/v1/completions", rb.parse_body(raw)))),
     ):
         assert connector_prefill["stream"] is False
         assert connector_prefill["max_tokens"] == 1
         assert "min_tokens" not in connector_prefill
         assert connector_prefill.get("n", 1) == 1
-    prefill_bytes = mooncake.prefill_body(
-        "/v1/completions", rb.parse_body(raw), mooncake.prefill_params("x")
+    prefill_bytes = bytes(
+        mooncake.prefill_body("/v1/completions", rb.parse_body(raw), mooncake.prefill_params("x"))
     )
     # Once each, whatever a parser does with duplicates.
     assert prefill_bytes.count(b'"stream"') == 1
@@ -151,8 +153,10 @@ def test_generate_sampling_params_are_primed_member_by_member() -> None:
         b'{"token_ids":[1,2,3],"sampling_params":{"temperature":0.70,"max_tokens":9,'
         b'"min_tokens":4,"stop":["x"],"n":2,"seed":18446744073709551615}}'
     )
-    prefill = mooncake.prefill_body(
-        "/inference/v1/generate", rb.parse_body(raw), mooncake.prefill_params("x")
+    prefill = bytes(
+        mooncake.prefill_body(
+            "/inference/v1/generate", rb.parse_body(raw), mooncake.prefill_params("x")
+        )
     )
     sampling = json.loads(prefill)["sampling_params"]
     assert sampling == {
@@ -167,8 +171,10 @@ def test_generate_sampling_params_are_primed_member_by_member() -> None:
 
 def test_sampling_params_that_are_not_an_object_are_left_alone() -> None:
     raw = b'{"token_ids":[1],"sampling_params":null}'
-    prefill = mooncake.prefill_body(
-        "/inference/v1/generate", rb.parse_body(raw), mooncake.prefill_params("x")
+    prefill = bytes(
+        mooncake.prefill_body(
+            "/inference/v1/generate", rb.parse_body(raw), mooncake.prefill_params("x")
+        )
     )
     assert json.loads(prefill)["sampling_params"] is None
 
@@ -179,7 +185,7 @@ def test_sglang_legs_are_the_clients_bytes_with_the_room() -> None:
     legs = sglang.SGLang(8998).legs(request, TARGET, None, {})
     assert legs.decode_body is not None
     assert legs.decode_body.startswith(raw[:-1])
-    assert legs.prefill_body == legs.decode_body
+    assert bytes(legs.prefill_body) == legs.decode_body
 
 
 def test_a_kept_body_counts_past_the_limit_and_is_released_once() -> None:
@@ -197,3 +203,35 @@ def test_a_kept_body_counts_past_the_limit_and_is_released_once() -> None:
     holding.release()
     assert budget.held == 0
     assert levels[-1] == 0
+
+
+@given(
+    st.dictionaries(
+        st.text(max_size=8),
+        st.one_of(
+            st.integers(-(2**63), 2**63),
+            st.text(max_size=20),
+            st.text(alphabet='ab"\\é', min_size=4000, max_size=5000),
+            st.lists(st.integers(0, 9), max_size=3000),
+            st.none(),
+        ),
+        max_size=5,
+    )
+)
+def test_a_body_in_pieces_is_the_body_encoded_whole(data: dict[str, object]) -> None:
+    raw = orjson.dumps(data)
+    parsed: dict[str, object] = dict(rb.parse_body(raw))
+    parsed["added"] = {"kv": [1, "x"]}
+    pieces = rb.dump_pieces(parsed)
+    assert bytes(pieces) == rb.dumps(parsed)
+    assert len(pieces) == len(bytes(pieces))
+
+
+def test_a_long_prompt_goes_to_the_prefill_as_a_view_of_the_clients_bytes() -> None:
+    raw = orjson.dumps({"model": "m", "prompt": "p" * 100_000, "stream": True})
+    request = ClientRequest("/v1/completions", raw, rb.parse_body(raw))
+    legs = mooncake.Mooncake(8998).legs(request, HostPort("10.0.0.1", 8000), {0: "e0"}, {})
+    views = [part for part in legs.prefill_body.parts if isinstance(part, memoryview)]
+    assert [len(view) for view in views] == [100_002]  # the prompt, quotes included
+    others = [part for part in legs.prefill_body.parts if not isinstance(part, memoryview)]
+    assert all(len(part) < 4096 for part in others)

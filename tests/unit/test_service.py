@@ -17,6 +17,7 @@ from pdproc.connectors.nixlv2 import NixlV2
 from pdproc.metrics import Metrics, Outcome, PrefillResult
 from pdproc.prefill import PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.processors import ConcurrentPair, DecodeOnly, PassThrough, Rejected, SequentialPair
+from pdproc.request_body import Pieces
 from pdproc.service import ExtProcService, pod_feedback
 from pdproc.targets import AllowList
 
@@ -123,7 +124,7 @@ async def test_a_ledger_for_a_stream_without_request_counts_under_other(
 
 
 def job() -> PrefillJob:
-    legs = Legs(prefill_body=b"{}", decode_body=None, prefill_headers={})
+    legs = Legs(prefill_body=Pieces((b"{}",)), decode_body=None, prefill_headers={})
     return PrefillJob(POD, legs, "req-1", PATH, 0.0, None)  # type: ignore[arg-type]
 
 

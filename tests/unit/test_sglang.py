@@ -21,7 +21,7 @@ def test_both_legs_are_the_clients_body_with_the_rendezvous() -> None:
     connector = SGLang(8998)
     legs = connector.legs(request(), POD, None, {})
     assert legs.decode_body is not None
-    assert legs.prefill_body == legs.decode_body  # the same room, the same request
+    assert bytes(legs.prefill_body) == legs.decode_body  # the same room, the same request
     sent = orjson.loads(legs.decode_body)
     assert sent["bootstrap_host"] == "fd00::7"
     assert sent["bootstrap_port"] == 8998
@@ -38,7 +38,10 @@ def test_a_streamed_body_gets_the_rendezvous_in_its_tail_and_the_prefill_the_sam
     plan = connector.plan(POD, None, {})
     legs = connector.prefill_leg(request(), plan, None)
     assert legs.decode_body is None
-    assert orjson.loads(legs.prefill_body)["bootstrap_room"] == plan.decode_fields["bootstrap_room"]
+    assert (
+        orjson.loads(bytes(legs.prefill_body))["bootstrap_room"]
+        == plan.decode_fields["bootstrap_room"]
+    )
 
 
 def test_rooms_are_random_below_two_to_the_63() -> None:
