@@ -336,7 +336,9 @@ async def _pd_plan(
     placeholder = _TRANSFER_PLACEHOLDER.decode()
     return PdPlan(
         prefill_url=prefill.rstrip("/") + path,
-        prefill_template=mooncake.prefill_body(path, parsed, mooncake.prefill_params(placeholder)),
+        prefill_template=bytes(
+            mooncake.prefill_body(path, parsed, mooncake.prefill_params(placeholder))
+        ),
         decode_template=with_field(
             body,
             parsed,
@@ -391,7 +393,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     if args.pd_nixl:
         if not args.pd_prefill:
             raise SystemExit("--pd-nixl needs --pd-prefill")
-        template = nixlv2.prefill_body(args.path, parse_body(body))
+        template = bytes(nixlv2.prefill_body(args.path, parse_body(body)))
         pd = PdPlan(args.pd_prefill.rstrip("/") + args.path, template, b"", True, body)
     elif args.pd_prefill or args.pd_bootstrap:
         if not (args.pd_prefill and args.pd_bootstrap):
