@@ -180,7 +180,7 @@ unit: $(STAMP)
 # the table ends with the total. Coverage is a dev dependency.
 coverage: $(STAMP)
 	$(PY) -m coverage erase
-	$(PY) -m coverage run -m pytest -q tests/unit tests/integration
+	$(PY) -m coverage run -m pytest -q tests/unit tests/integration tests/security -m "not e2e"
 	$(PY) -m coverage report
 
 bench: $(STAMP)

@@ -491,12 +491,16 @@ class SequentialPair(Disaggregated):
         # The body's answer waits for the prefill (Envoy is told to wait if it must); the
         # client's body, kept for it till then, stays counted (released at close).
         self._budget.keep(len(request.raw))
-        return self._deferred(job, self._released_after(self._after_prefill(job, request)))
+        return self._deferred(job, self._released_after_prefill(job, request))
 
-    async def _released_after(self, answer: Awaitable[msg.Response]) -> msg.Response:
-        """The answer; the body bytes this request held are released once it is built."""
+    async def _released_after_prefill(
+        self, job: PrefillJob, request: ClientRequest
+    ) -> msg.Response:
+        """The decode leg; the body bytes this request held are released once it is built.
+        The inner coroutine is made here, not by the caller, so an answer never awaited (its
+        stream ended first) leaves no coroutine behind unawaited."""
         try:
-            return await answer
+            return await self._after_prefill(job, request)
         finally:
             self._budget.release()
 

@@ -19,9 +19,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import settings
 
 if TYPE_CHECKING:
     from pdproc_sim.devstack import Stack
+
+# No timing assertions, hypothesis' per-example deadline included: on a shared box a slow
+# example is the machine, not a bug (bodies of several MiB are generated on purpose).
+settings.register_profile("pdproc", deadline=None)
+settings.load_profile("pdproc")
 
 INSTALLED = os.environ.get("PDPROC_TEST_INSTALLED") == "1"
 # Import package -> distribution that must provide it from site-packages.

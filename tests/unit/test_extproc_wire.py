@@ -83,6 +83,22 @@ def test_a_body_with_unknown_fields_keeps_its_body() -> None:
     equivalent(read_request(data), data)
 
 
+@pytest.mark.parametrize(
+    "inner",
+    [
+        b"\x0a\x01a\x0a\x01b",  # the body twice: protobuf keeps the last
+        b"\x10\x01\x10\x00",  # end_of_stream twice: the last again
+        b"\x08\x05",  # the body as a varint: an unknown field to protobuf
+        b"\x12\x01x",  # end_of_stream as bytes: an unknown field too
+    ],
+    ids=["body-twice", "end-twice", "body-varint", "end-bytes"],
+)
+def test_irregular_body_fields_read_as_protobuf_reads_them(inner: bytes) -> None:
+    """Spellings Envoy never sends are left to protobuf, whose reading pdproc keeps."""
+    data = b"\x22" + bytes([len(inner)]) + inner
+    equivalent(read_request(data), data)
+
+
 def heads() -> st.SearchStrategy[pb.ProcessingResponse]:
     def head(length: bool, request_id: str, checked: bool) -> pb.ProcessingResponse:
         response = pb.ProcessingResponse()
