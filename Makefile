@@ -54,7 +54,8 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 # Nothing in the repository over cyclomatic complexity 12 by ruff's C901 count or by radon's
-# (which adds boolean operators, conditional expressions and comprehensions); lists them.
+# (the radon library's count, which adds boolean operators, conditional expressions,
+# comprehensions and asserts); lists them.
 complexity: $(STAMP)
 	$(PY) scripts/structure_report.py --max-complexity 12
 
