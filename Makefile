@@ -46,15 +46,18 @@ demo: $(DEMO_STAMP)
 	$(DEMO_VENV)/bin/pdproc demo --port $(PORT) $(DEMO_ARGS)
 
 # One standard for all Python in the repository: ruff (C901 at 12 included) everywhere,
-# mypy --strict on everything but tests (pyproject.toml lists the folders).
+# mypy --strict on everything but tests (pyproject.toml lists the folders), and the
+# complexity bound by radon's count too (`make complexity`), so CI gates on it.
 LINTED := pdproc tests scripts deploy $(wildcard bench) $(wildcard sim)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/mypy
+	$(MAKE) --no-print-directory complexity
 
 # Nothing in the repository over cyclomatic complexity 12 by ruff's C901 count or by radon's
-# (which adds boolean operators, conditional expressions and comprehensions); lists them.
+# (the radon library's count, which adds boolean operators, conditional expressions,
+# comprehensions and asserts); lists them.
 complexity: $(STAMP)
 	$(PY) scripts/structure_report.py --max-complexity 12
 

@@ -11,7 +11,7 @@ strongly connected components twice, without them and with them. Imports inside 
 (deferred imports) count as run-time edges and are marked as deferred.
 
 Complexity: McCabe's cyclomatic complexity per function, counted as ruff's C901 does (the
-gate of `make lint`) and as radon does (boolean operators and comprehensions too), every
+gate of `make lint`) and by radon itself (its library, as `radon cc` counts), every
 function over `--over` by either count, and the largest per package (folder).
 """
 
@@ -24,6 +24,8 @@ import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from radon.complexity import cc_visit_ast
 
 REPO = Path(__file__).resolve().parents[1]
 # Folders of the repository the complexity table covers (generated code left out).
@@ -195,59 +197,47 @@ class _Tarjan:
                 return component
 
 
-class _Complexity(ast.NodeVisitor):
-    """Cyclomatic complexity of one function body, counted two ways:
-
-    - `statements`: what ruff's C901 (the mccabe rule `make lint` enforces) counts: 1 + each
-      if/elif, loop, except, else of a try and match case; a nested function adds its own.
-    - `radon`: the same plus each boolean operator, conditional expression and comprehension
-      (`for` and its `if`s), as radon counts; the figures issue 23 quoted (main: 51).
-    """
+class _C901(ast.NodeVisitor):
+    """What ruff's C901 (the mccabe rule `make lint` enforces) counts for one function body:
+    1 + each if/elif, loop, except, else of a try and match case; a nested function adds 1
+    and its own. ruff is a binary with no Python API, hence this count of its rule."""
 
     def __init__(self) -> None:
-        self.statements = 1
-        self.expressions = 0
-
-    @property
-    def radon(self) -> int:
-        return self.statements + self.expressions
+        self.count = 1
 
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
         pass
 
-    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
-        self.statements += 1
-        self.generic_visit(node)
-
-    visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
-
     def _branch(self, node: ast.AST) -> None:
-        self.statements += 1
+        self.count += 1
         self.generic_visit(node)
 
     visit_If = visit_For = visit_AsyncFor = visit_While = _branch
+    visit_FunctionDef = visit_AsyncFunctionDef = _branch
 
     def visit_Try(self, node: ast.Try) -> None:
-        self.statements += len(node.handlers) + bool(node.orelse)
+        self.count += len(node.handlers) + bool(node.orelse)
         self.generic_visit(node)
 
     visit_TryStar = visit_Try  # type: ignore[assignment]
 
     def visit_Match(self, node: ast.Match) -> None:
-        self.statements += len(node.cases) - 1
+        self.count += len(node.cases) - 1
         self.generic_visit(node)
 
-    def visit_IfExp(self, node: ast.IfExp) -> None:
-        self.expressions += 1
-        self.generic_visit(node)
 
-    def visit_BoolOp(self, node: ast.BoolOp) -> None:
-        self.expressions += len(node.values) - 1
-        self.generic_visit(node)
+def _c901(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    visitor = _C901()
+    for stmt in node.body:
+        visitor.visit(stmt)
+    return visitor.count
 
-    def visit_comprehension(self, node: ast.comprehension) -> None:
-        self.expressions += 1 + len(node.ifs)
-        self.generic_visit(node)
+
+def _radon(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """radon's own count (`radon cc`): boolean operators, conditional expressions,
+    comprehensions, asserts and loop `else`s too; a nested function is a block of its own."""
+    (block,) = cc_visit_ast(node)
+    return int(block.complexity)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,13 +271,8 @@ def complexity(root: Path, paths: Iterable[Path]) -> list[FunctionComplexity]:
     for path in paths:
         tree = ast.parse(path.read_text("utf-8"), str(path))
         for name, node in _functions(tree):
-            visitor = _Complexity()
-            for stmt in node.body:
-                visitor.visit(stmt)
             relative = str(path.relative_to(root))
-            table.append(
-                FunctionComplexity(relative, node.lineno, name, visitor.statements, visitor.radon)
-            )
+            table.append(FunctionComplexity(relative, node.lineno, name, _c901(node), _radon(node)))
     return table
 
 

@@ -47,15 +47,26 @@ def record_for(stack: ComposeStack, role: str, prompt: str) -> dict[str, Any] | 
 def assert_disaggregated(stack: ComposeStack, prompt: str, *, stream: bool) -> None:
     """The decode got the gateway's params for this prompt, the prefill ran it with the same
     transfer id, and the decode found its KV."""
+    params = assert_decode_leg(stack, prompt, stream=stream)
+    assert_prefill_leg(stack, prompt, params)
+
+
+def assert_decode_leg(stack: ComposeStack, prompt: str, *, stream: bool) -> dict[str, Any]:
+    """The decode's record of this prompt: the gateway's params (returned), the client's
+    stream flag, answered 200 with its KV shipped."""
     decode = record_for(stack, "decode", prompt)
     assert decode is not None, "the decode never got the request"
-    params = decode["body"]["kv_transfer_params"]
+    params: dict[str, Any] = decode["body"]["kv_transfer_params"]
     assert params["do_remote_prefill"] is True
     assert params["do_remote_decode"] is False
     assert params["remote_bootstrap_addr"] == "http://sim:8998"
     assert decode["body"].get("stream", False) is stream
     assert decode["status"] == 200, decode
     assert decode["kv"]["shipped"] is True, decode
+    return params
+
+
+def assert_prefill_leg(stack: ComposeStack, prompt: str, params: dict[str, Any]) -> None:
     prefill = record_for(stack, "prefill", prompt)
     assert prefill is not None, "no prefill ran for the request"
     leg = prefill["body"]["kv_transfer_params"]
@@ -132,11 +143,7 @@ def test_docker_stop_drains_in_flight_requests_then_a_restart_serves(
     stack: ComposeStack,
 ) -> None:
     container = stack.container("pdproc")
-    compose = yaml.safe_load((REPO / "docker-compose.yaml").read_text())
-    grace = compose["services"]["pdproc"]["stop_grace_period"]
-    # Compose hands the grace period to the container: a plain `docker stop` waits as long.
-    timeout = stack.docker_run("inspect", "--format", "{{.Config.StopTimeout}}", container)
-    assert f"{timeout.strip()}s" == grace
+    assert_stop_waits_the_grace_period(stack, container)
 
     # A request held in its prefill when the stop comes.
     stack.sim_faults(prefill_hang=True)
@@ -171,7 +178,25 @@ def test_docker_stop_drains_in_flight_requests_then_a_restart_serves(
     assert result["late"].status_code == 200, result["late"].text
     assert_disaggregated(stack, held, stream=False)
 
-    # It exited by itself, within the budget: 0, not the SIGKILL at its end (137).
+    assert_exited_by_itself_drained(stack)
+
+    stack.run("start", "pdproc")
+    eventually(lambda: stack.healthy("pdproc"), START_S, 1.0)
+    eventually(lambda: paired(stack), START_S, 1.0)
+
+
+def assert_stop_waits_the_grace_period(stack: ComposeStack, container: str) -> None:
+    """Compose hands the grace period to the container: a plain `docker stop` waits as
+    long."""
+    compose = yaml.safe_load((REPO / "docker-compose.yaml").read_text())
+    grace = compose["services"]["pdproc"]["stop_grace_period"]
+    timeout = stack.docker_run("inspect", "--format", "{{.Config.StopTimeout}}", container)
+    assert f"{timeout.strip()}s" == grace
+
+
+def assert_exited_by_itself_drained(stack: ComposeStack) -> None:
+    """It exited by itself, within the budget: 0, not the SIGKILL at its end (137), and
+    no prefill was abandoned."""
     state = stack.state("pdproc")
     assert state["Running"] is False
     assert state["ExitCode"] == 0, state
@@ -179,10 +204,6 @@ def test_docker_stop_drains_in_flight_requests_then_a_restart_serves(
     log = stack.logs("pdproc")
     assert "pdproc stopped" in log, log[-2000:]
     assert "abandoned_prefills=0" in log, log[-2000:]
-
-    stack.run("start", "pdproc")
-    eventually(lambda: stack.healthy("pdproc"), START_S, 1.0)
-    eventually(lambda: paired(stack), START_S, 1.0)
 
 
 def test_killed_pdproc_fails_open_safely_and_a_restart_serves(stack: ComposeStack) -> None:

@@ -47,31 +47,39 @@ def post(stack: Stack, path: str, body: dict[str, Any], timeout_s: float = 60) -
 def assert_protocol(stack: Stack, prefill: dict[str, Any], decode: dict[str, Any]) -> None:
     """Each leg carries what the connector's servers need, and they match."""
     if connector(stack) == "nixlv2":
-        kv = prefill["body"]["kv_transfer_params"]
-        assert kv == {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
-        assert prefill["body"]["stream"] is False
-        assert "stream_options" not in prefill["body"]
-        # Both legs carry the same request id; the decode got the prefill's answer params.
-        assert prefill["headers"]["x-request-id"] == decode["headers"]["x-request-id"]
-        decode_kv = decode["body"]["kv_transfer_params"]
-        assert decode_kv["do_remote_prefill"] is True
-        assert decode_kv["remote_engine_id"]
-        assert decode_kv["remote_block_ids"]
+        assert_nixl_legs(prefill, decode)
     else:
-        for field in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
-            assert prefill["body"][field] == decode["body"][field]
-        assert prefill["body"]["bootstrap_host"] == stack.sim.prefill.host
-        assert prefill["body"]["bootstrap_port"] == stack.sim.bootstrap.port
-        assert 0 <= decode["body"]["bootstrap_room"] < 2**63
-        assert "kv_transfer_params" not in decode["body"]
+        assert_sglang_legs(stack, prefill, decode)
     assert decode["kv"]["reason"] is None
+
+
+def assert_nixl_legs(prefill: dict[str, Any], decode: dict[str, Any]) -> None:
+    kv = prefill["body"]["kv_transfer_params"]
+    assert kv == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    assert prefill["body"]["stream"] is False
+    assert "stream_options" not in prefill["body"]
+    # Both legs carry the same request id; the decode got the prefill's answer params.
+    assert prefill["headers"]["x-request-id"] == decode["headers"]["x-request-id"]
+    decode_kv = decode["body"]["kv_transfer_params"]
+    assert decode_kv["do_remote_prefill"] is True
+    assert decode_kv["remote_engine_id"]
+    assert decode_kv["remote_block_ids"]
+
+
+def assert_sglang_legs(stack: Stack, prefill: dict[str, Any], decode: dict[str, Any]) -> None:
+    for field in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
+        assert prefill["body"][field] == decode["body"][field]
+    assert prefill["body"]["bootstrap_host"] == stack.sim.prefill.host
+    assert prefill["body"]["bootstrap_port"] == stack.sim.bootstrap.port
+    assert 0 <= decode["body"]["bootstrap_room"] < 2**63
+    assert "kv_transfer_params" not in decode["body"]
 
 
 @pytest.mark.parametrize("path", list(BODIES))

@@ -123,25 +123,38 @@ def test_llm_d_case_prefill_slower_than_decode(fresh: Stack) -> None:
 )
 def test_streaming_arrives_incrementally(fresh: Stack, path: str, body: dict[str, Any]) -> None:
     payload = {**body, "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+    reads = stream_reads(fresh, path, payload)
+    assert_events_end_with_usage(b"".join(reads).decode(), 8)
+    # 8 tokens 20 ms apart reach the client as separate reads, not one buffered blob.
+    assert len(reads) >= 4
+    assert_stream_flags_on_the_decode_only(fresh)
+
+
+def stream_reads(stack: Stack, path: str, payload: dict[str, Any]) -> list[bytes]:
+    """A streamed request through Envoy: the bytes as each read returned them."""
     reads: list[bytes] = []
     with (
         httpx.Client(timeout=30) as client,
-        client.stream("POST", fresh.envoy.url + path, json=payload, headers=target(fresh)) as r,
+        client.stream("POST", stack.envoy.url + path, json=payload, headers=target(stack)) as r,
     ):
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         reads.extend(r.iter_raw())
-    text = b"".join(reads).decode()
+    return reads
+
+
+def assert_events_end_with_usage(text: str, tokens: int) -> None:
     events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [orjson.loads(e) for e in events[:-1]]
-    assert chunks[-1]["usage"]["completion_tokens"] == 8
-    # 8 tokens 20 ms apart reach the client as separate reads, not one buffered blob.
-    assert len(reads) >= 4
-    (decode,) = served(fresh, "decode", 1)
+    assert chunks[-1]["usage"]["completion_tokens"] == tokens
+
+
+def assert_stream_flags_on_the_decode_only(stack: Stack) -> None:
+    (decode,) = served(stack, "decode", 1)
     assert decode["body"]["stream"] is True  # the decode keeps the client's stream flags
     assert decode["body"]["stream_options"] == {"include_usage": True}
-    (prefill,) = served(fresh, "prefill", 1)
+    (prefill,) = served(stack, "prefill", 1)
     assert prefill["body"]["stream"] is False
     assert "stream_options" not in prefill["body"]
 
@@ -325,23 +338,8 @@ def test_logs_are_json_lines_with_request_fields_and_no_secrets(fresh: Stack) ->
     bad = httpx.post(fresh.envoy.url + "/v1/chat/completions", content=b"[]", headers=target(fresh))
     assert bad.status_code == 400
 
-    def logged() -> list[dict[str, Any]]:
-        lines = fresh.pdproc.log_path.read_text().splitlines()
-        return [orjson.loads(line) for line in lines]  # every line is one JSON object
-
-    def request_logged() -> list[dict[str, Any]] | None:
-        entries = logged()
-        return entries if any(e.get("request_id") == "req-log-check" for e in entries) else None
-
-    entries = eventually(request_logged)
-    (line,) = [e for e in entries if e.get("request_id") == "req-log-check"]
-    assert line["level"] == "info"
-    assert line["msg"] == "pd request prefilled"
-    assert line["transfer_id"].startswith("xfer-")
-    assert line["prefill_target"] == str(fresh.sim.prefill)
-    assert line["dp_rank"] in (0, 1)
-    assert line["prefill_outcome"] == "2xx"
-    assert line["prefill_ms"] > 0
+    entries = log_entries_once(fresh, "req-log-check")
+    assert_prefilled_line(fresh, entries, "req-log-check")
     rejected = [e for e in entries if e.get("outcome") == "bad_request"]
     assert rejected
     assert rejected[-1]["level"] == "warning"
@@ -349,3 +347,30 @@ def test_logs_are_json_lines_with_request_fields_and_no_secrets(fresh: Stack) ->
     text = fresh.pdproc.log_path.read_text()
     assert "sk-do-not-log-me" not in text
     assert prompt not in text
+
+
+def log_entries_once(stack: Stack, request_id: str) -> list[dict[str, Any]]:
+    """pdproc's log, every line one JSON object, once a line of `request_id` is there."""
+
+    def logged() -> list[dict[str, Any]]:
+        lines = stack.pdproc.log_path.read_text().splitlines()
+        return [orjson.loads(line) for line in lines]  # every line is one JSON object
+
+    def request_logged() -> list[dict[str, Any]] | None:
+        entries = logged()
+        return entries if any(e.get("request_id") == request_id for e in entries) else None
+
+    entries: list[dict[str, Any]] = eventually(request_logged)
+    return entries
+
+
+def assert_prefilled_line(stack: Stack, entries: list[dict[str, Any]], request_id: str) -> None:
+    """The request's one line, with the fields an operator follows a P/D request by."""
+    (line,) = [e for e in entries if e.get("request_id") == request_id]
+    assert line["level"] == "info"
+    assert line["msg"] == "pd request prefilled"
+    assert line["transfer_id"].startswith("xfer-")
+    assert line["prefill_target"] == str(stack.sim.prefill)
+    assert line["dp_rank"] in (0, 1)
+    assert line["prefill_outcome"] == "2xx"
+    assert line["prefill_ms"] > 0

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
 import pytest
-from pdproc_sim.devstack import running_stack, scrape_metric, start_envoy, start_pdproc
+from pdproc_sim.devstack import Stack, running_stack, scrape_metric, start_envoy, start_pdproc
 
 pytestmark = pytest.mark.e2e
 
@@ -62,39 +63,48 @@ def test_two_replicas_behind_one_envoy_share_the_work(tmp_path: Path) -> None:
         assert st.sim_get("prefill", "/sim/stats")["bootstrap_queries"] >= 2
 
 
+def post_pd_requests(st: Stack, count: int) -> None:
+    target = {"x-prefiller-host-port": str(st.sim.prefill)}
+    with httpx.Client(timeout=30) as client:
+        for _ in range(count):
+            response = client.post(st.envoy.url + "/v1/chat/completions", json=CHAT, headers=target)
+            assert response.status_code == 200
+
+
+def assert_counted_pd(st: Stack, count: int) -> None:
+    """The shared page counts `count` P/D requests (once both workers counted theirs)."""
+    deadline = time.monotonic() + 15
+    while st.metric("pdproc_requests_total", outcome="pd") < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert st.metric("pdproc_requests_total", outcome="pd") == count
+
+
+def assert_every_family_on_the_shared_page(st: Stack) -> None:
+    """What one process's page has, the shared page has too: every family (with or
+    without samples), the build info, and the workers' process metrics added up."""
+    page = st.metrics_text()
+    types = {line.split()[2] for line in page.splitlines() if line.startswith("# TYPE")}
+    for family in (
+        "pdproc_requests_total",
+        "pdproc_decode_aborts_total",
+        "pdproc_prefill_breaker_open",
+        "pdproc_build_info",
+        "python_info",
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_start_time_seconds",
+    ):
+        assert family in types, family
+    assert st.metric("pdproc_build_info") == 1
+    assert st.metric("process_cpu_seconds_total") > 0
+
+
 def test_workers_share_one_port_and_one_metrics_page(tmp_path: Path) -> None:
     """`--workers 2`: two processes behind one port; /metrics adds up both; SIGTERM drains."""
     with running_stack(["--itl-ms", "1"], ["--workers", "2"], workdir=tmp_path) as st:
-        target = {"x-prefiller-host-port": str(st.sim.prefill)}
-        with httpx.Client(timeout=30) as client:
-            for _ in range(30):
-                response = client.post(
-                    st.envoy.url + "/v1/chat/completions", json=CHAT, headers=target
-                )
-                assert response.status_code == 200
-        import time
-
-        deadline = time.monotonic() + 15
-        while st.metric("pdproc_requests_total", outcome="pd") < 30 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert st.metric("pdproc_requests_total", outcome="pd") == 30
-        # What one process's page has, the shared page has too: every family (with or
-        # without samples), the build info, and the workers' process metrics added up.
-        page = st.metrics_text()
-        types = {line.split()[2] for line in page.splitlines() if line.startswith("# TYPE")}
-        for family in (
-            "pdproc_requests_total",
-            "pdproc_decode_aborts_total",
-            "pdproc_prefill_breaker_open",
-            "pdproc_build_info",
-            "python_info",
-            "process_cpu_seconds_total",
-            "process_resident_memory_bytes",
-            "process_start_time_seconds",
-        ):
-            assert family in types, family
-        assert st.metric("pdproc_build_info") == 1
-        assert st.metric("process_cpu_seconds_total") > 0
+        post_pd_requests(st, 30)
+        assert_counted_pd(st, 30)
+        assert_every_family_on_the_shared_page(st)
         started = [
             line for line in st.pdproc.log_path.read_text().splitlines() if "pdproc serving" in line
         ]

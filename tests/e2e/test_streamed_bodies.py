@@ -95,20 +95,31 @@ def test_a_paced_large_body_streams_in_chunks_and_pairs(fresh: Stack) -> None:
     assert ext_proc_counter(fresh, "stream_msgs_sent") - sent >= 6
     assert fresh.metric("pdproc_streamed_request_bodies_total") == streamed + 1
     prefill, decode = served(fresh, "prefill")[0], served(fresh, "decode")[0]
+    assert_streamed_on_without_pdproc_headers(decode)
+    assert_paired_with_fields_spliced(prefill, decode, body)
+    assert ext_proc_errors(fresh)["streams_failed"] == 0
+    eventually(lambda: fresh.metric("pdproc_request_body_bytes_in_flight") == 0)
+
+
+def assert_streamed_on_without_pdproc_headers(decode: dict[str, Any]) -> None:
     assert decode["headers"].get("transfer-encoding") == "chunked"
     assert "content-length" not in decode["headers"]
     assert "x-prefiller-host-port" not in decode["headers"]
+
+
+def assert_paired_with_fields_spliced(
+    prefill: dict[str, Any], decode: dict[str, Any], body: bytes
+) -> None:
+    """The decode got the client's bytes, then the fields before the closing brace (the
+    "\\n" stays last), paired with the prefill's transfer."""
     kv = decode["body"]["kv_transfer_params"]
     assert kv["do_remote_prefill"] is True
     assert kv["transfer_id"] == prefill["body"]["kv_transfer_params"]["transfer_id"]
-    # The client's bytes, then the fields before the closing brace (the "\n" stays last).
     fields = orjson.dumps({"kv_transfer_params": kv})[1:-1]
     assert decode["body_bytes"] == len(body) + 1 + len(fields)
     assert decode["body"]["prompt"].endswith(f"<truncated, {len(PROMPT)} chars>")
     assert decode["kv"]["reason"] in (None, "ok")
     assert prefill["body"]["max_tokens"] == 1
-    assert ext_proc_errors(fresh)["streams_failed"] == 0
-    eventually(lambda: fresh.metric("pdproc_request_body_bytes_in_flight") == 0)
 
 
 def test_client_params_at_the_end_of_a_streamed_body_are_refused(fresh: Stack) -> None:

@@ -229,8 +229,20 @@ def test_prefill_restart_with_new_engine_id_loses_no_request(
     prefill.start()
     measured(f"mooncake, prefill restarted: ready again in {prefill.wait_ready():.0f} s")
     assert engine_ids(prefill).isdisjoint(pair[0].extra["ids_before_kill"])
-    front = fronts["two-replicas"]
     path = "/v1/completions"
+    answers = assert_none_lost(burst(fronts["two-replicas"], path))
+    measured(
+        "mooncake, the requests right after the restart: "
+        + ", ".join(f"{a.status} in {a.seconds:.3f} s" for a in answers)
+    )
+    # and P/D works again through both fronts (the long-ttl front is the next test's)
+    for name in ("default-workers", "two-replicas"):
+        assert_serves_as_local(prefill, fronts[name], path, name)
+
+
+def burst(front: Front, path: str) -> list[Answer | str]:
+    """RESTART_REQUESTS requests at once through `front`: each one's answer, or why none
+    came within RESTART_BOUND_S."""
 
     def one(index: int) -> Answer | str:
         body = openai_body(path, prompt(f"restart-{index}"), stream=False)
@@ -240,7 +252,11 @@ def test_prefill_restart_with_new_engine_id_loses_no_request(
             return f"request {index}: no answer in {RESTART_BOUND_S}s (lost silently)"
 
     with concurrent.futures.ThreadPoolExecutor(RESTART_REQUESTS) as pool:
-        results = list(pool.map(one, range(RESTART_REQUESTS)))
+        return list(pool.map(one, range(RESTART_REQUESTS)))
+
+
+def assert_none_lost(results: list[Answer | str]) -> list[Answer]:
+    """Every request got a 200 or a clear JSON error; returns the answers."""
     lost = [r for r in results if isinstance(r, str)]
     assert not lost, lost
     answers = [r for r in results if isinstance(r, Answer)]
@@ -248,18 +264,16 @@ def test_prefill_restart_with_new_engine_id_loses_no_request(
         assert answer.status == 200 or (
             answer.status >= 500 and answer.body.get("object") == "error"
         ), answer.body
-    measured(
-        "mooncake, the requests right after the restart: "
-        + ", ".join(f"{a.status} in {a.seconds:.3f} s" for a in answers)
-    )
-    # and P/D works again through both fronts (the long-ttl front is the next test's)
-    for name in ("default-workers", "two-replicas"):
-        front_after = fronts[name]
-        text = prompt(f"after-restart-{name}")
-        local = local_run(prefill, path, text)
-        answer = send(front_after.url, path, openai_body(path, text, False))
-        assert answer.status == 200, answer.body
-        assert answer.text == local.text
+    return answers
+
+
+def assert_serves_as_local(prefill: Engine, front: Front, path: str, name: str) -> None:
+    """P/D through `front` answers what the prefill engine answers on its own."""
+    text = prompt(f"after-restart-{name}")
+    local = local_run(prefill, path, text)
+    answer = send(front.url, path, openai_body(path, text, False))
+    assert answer.status == 200, answer.body
+    assert answer.text == local.text
 
 
 def test_a_map_older_than_the_restart_loses_the_request(

@@ -70,14 +70,8 @@ class Page:
 async def test_pdproc_out_of_descriptors_is_not_the_pods_fault(
     prefill: RunningPrefill, tmp_path: Path
 ) -> None:
-    assert prefill.bootstrap_port is not None
     grpc_port, metrics_port = free_port(), free_port()
-    script = Path(sys.executable).with_name("pdproc")
-    head = [str(script)] if script.exists() else [sys.executable, "-m", "pdproc.cli"]
-    argv = [*head, "serve", "--listen", f"127.0.0.1:{grpc_port}", "--workers", "1"]
-    argv += ["--metrics-listen", f"127.0.0.1:{metrics_port}", "--shutdown-delay", "0"]
-    argv += ["--prefill-allow", "127.0.0.1/32", "--breaker-failures", "1"]
-    argv += ["--mooncake-bootstrap-port", str(prefill.bootstrap_port), "--drain-timeout", "5"]
+    argv = _serve_argv(prefill, grpc_port, metrics_port)
     log = (tmp_path / "pdproc.log").open("w")
     process = await asyncio.create_subprocess_exec(
         *argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=cap_descriptors
@@ -118,13 +112,7 @@ async def test_pdproc_out_of_descriptors_is_not_the_pods_fault(
         assert page.sample("pdproc_prefills_total", outcome="connect_error") == 0
         assert page.sample("pdproc_requests_total", outcome="overloaded") == len(refused)
         assert page.sample("pdproc_prefill_breaker_open") == 0
-        # The pod serves P/D again.
-        call = stub.Process()
-        await call.write(headers_msg(extra=target))
-        await recv(call)
-        await call.write(body_msg(CHAT))
-        assert (await recv(call)).request_body.response.HasField("body_mutation")
-        call.cancel()
+        await _assert_serves_pd_again(stub, target)
     finally:
         await _faults(prefill, prefill_hang=False)
         await to_pdproc.close()
@@ -132,7 +120,33 @@ async def test_pdproc_out_of_descriptors_is_not_the_pods_fault(
         async with asyncio.timeout(30):
             await process.wait()
         log.close()
-    assert "Too many open files" in (tmp_path / "pdproc.log").read_text()
+    _assert_logged(tmp_path / "pdproc.log", "Too many open files")
+
+
+def _serve_argv(prefill: RunningPrefill, grpc_port: int, metrics_port: int) -> list[str]:
+    """`pdproc serve` with a breaker that opens at the first failure against the pod."""
+    assert prefill.bootstrap_port is not None
+    script = Path(sys.executable).with_name("pdproc")
+    head = [str(script)] if script.exists() else [sys.executable, "-m", "pdproc.cli"]
+    argv = [*head, "serve", "--listen", f"127.0.0.1:{grpc_port}", "--workers", "1"]
+    argv += ["--metrics-listen", f"127.0.0.1:{metrics_port}", "--shutdown-delay", "0"]
+    argv += ["--prefill-allow", "127.0.0.1/32", "--breaker-failures", "1"]
+    argv += ["--mooncake-bootstrap-port", str(prefill.bootstrap_port), "--drain-timeout", "5"]
+    return argv
+
+
+async def _assert_serves_pd_again(stub: Any, target: dict[str, str]) -> None:
+    """A P/D request to the pod gets its body rewritten: the pod is in use again."""
+    call = stub.Process()
+    await call.write(headers_msg(extra=target))
+    await recv(call)
+    await call.write(body_msg(CHAT))
+    assert (await recv(call)).request_body.response.HasField("body_mutation")
+    call.cancel()
+
+
+def _assert_logged(log: Path, text: str) -> None:
+    assert text in log.read_text()
 
 
 async def _ready(metrics_port: int) -> bool:

@@ -45,31 +45,26 @@ async def test_header_only_request_passes_through_without_body(h: Harness) -> No
     assert h.sample("pdproc_requests_total", path="other", outcome="passthrough") == 1
 
 
-async def test_pd_request_rewrites_body_and_launches_prefill(h: Harness) -> None:
-    call = h.open()
-    await call.write(headers_msg(extra={**h.target, "authorization": "Bearer t"}))
-    first = await recv(call)
-    assert first.WhichOneof("response") == "request_headers"
-    assert not first.HasField("mode_override")
-    assert list(first.request_headers.response.header_mutation.remove_headers) == [
-        "x-prefiller-host-port"
-    ]
-
-    await call.write(body_msg({**CHAT, "max_completion_tokens": 100}))
-    second = await recv(call)
-    common = second.request_body.response
+def assert_decode_body(answer: Any, h: Harness) -> dict[str, Any]:
+    """The body answer carries the decode's body, its content-length, and the decode's
+    kv_transfer_params (returned)."""
+    common = answer.request_body.response
     body = common.body_mutation.body
     decode = orjson.loads(body)
     (length,) = [h for h in common.header_mutation.set_headers if h.header.key == "content-length"]
     assert length.header.raw_value == str(len(body)).encode()
     assert length.header.value == ""  # raw_value only: `value` arrives empty in Envoy
-    kv = decode["kv_transfer_params"]
+    kv: dict[str, Any] = decode["kv_transfer_params"]
     assert kv["do_remote_prefill"] is True
     assert kv["do_remote_decode"] is False
     assert kv["remote_bootstrap_addr"] == h.prefill.bootstrap_url
     assert kv["transfer_id"].startswith("xfer-")
     assert (decode["max_tokens"], decode["max_completion_tokens"]) == (50, 100)
+    return kv
 
+
+async def the_answered_prefill(h: Harness) -> dict[str, Any]:
+    """The simulator's one record, once the prefill it records has been answered."""
     records: list[dict[str, Any]] = []
 
     async def prefilled() -> bool:
@@ -78,6 +73,10 @@ async def test_pd_request_rewrites_body_and_launches_prefill(h: Harness) -> None
 
     await eventually_async(prefilled)
     (record,) = records
+    return record
+
+
+def assert_prefill_request(record: dict[str, Any], kv: dict[str, Any], h: Harness) -> None:
     prefill_kv = record["body"]["kv_transfer_params"]
     assert prefill_kv == {
         "do_remote_prefill": False,
@@ -92,6 +91,21 @@ async def test_pd_request_rewrites_body_and_launches_prefill(h: Harness) -> None
     assert record["headers"]["authorization"] == "Bearer t"
     assert record["headers"]["x-request-id"] == "req-1"
     assert "x-prefiller-host-port" not in record["headers"]
+
+
+async def test_pd_request_rewrites_body_and_launches_prefill(h: Harness) -> None:
+    call = h.open()
+    await call.write(headers_msg(extra={**h.target, "authorization": "Bearer t"}))
+    first = await recv(call)
+    assert first.WhichOneof("response") == "request_headers"
+    assert not first.HasField("mode_override")
+    assert list(first.request_headers.response.header_mutation.remove_headers) == [
+        "x-prefiller-host-port"
+    ]
+
+    await call.write(body_msg({**CHAT, "max_completion_tokens": 100}))
+    kv = assert_decode_body(await recv(call), h)
+    assert_prefill_request(await the_answered_prefill(h), kv, h)
 
     await call.write(response_headers_msg("200"))
     third = await recv(call)

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
+from prometheus_client import CollectorRegistry
 
 from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -244,7 +245,22 @@ def _answered(answers: list[pb.ProcessingResponse], sent: list[pb.ProcessingRequ
 def test_nothing_leaks_afterwards(background: Background) -> None:
     """Runs after the property test: every stream closed, every prefill finished."""
     metrics = background.server.metrics.registry
-    deadline = time.monotonic() + 20
+    _wait_drained(background, 20)
+    assert metrics.get_sample_value("pdproc_streams_active") == 0
+    assert background.server.service is not None
+    assert background.server.service.launcher.total_in_flight == 0
+    # The sequences did reach every part: P/D pairs, rejections and passthroughs.
+    outcomes = _counted_outcomes(metrics)
+    assert {"pd", "passthrough", "forbidden"} <= outcomes, outcomes
+    assert outcomes & {"bad_request", "too_large"}, outcomes
+    tasks = background.run(_task_names())
+    assert [t for t in tasks if t.startswith("prefill")] == []
+
+
+def _wait_drained(background: Background, timeout_s: float) -> None:
+    """Until no stream is open and no prefill in flight, or `timeout_s` passed."""
+    metrics = background.server.metrics.registry
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         streams = metrics.get_sample_value("pdproc_streams_active")
         assert background.server.service is not None
@@ -252,21 +268,17 @@ def test_nothing_leaks_afterwards(background: Background) -> None:
         if streams == 0 and prefills == 0:
             break
         time.sleep(0.05)
-    assert metrics.get_sample_value("pdproc_streams_active") == 0
-    assert background.server.service is not None
-    assert background.server.service.launcher.total_in_flight == 0
-    # The sequences did reach every part: P/D pairs, rejections and passthroughs.
-    outcomes = {
+
+
+def _counted_outcomes(metrics: CollectorRegistry) -> set[str]:
+    """The outcomes pdproc_requests_total counted at least once."""
+    return {
         s.labels["outcome"]
         for family in metrics.collect()
         if family.name == "pdproc_requests"
         for s in family.samples
         if s.name == "pdproc_requests_total" and s.value > 0
     }
-    assert {"pd", "passthrough", "forbidden"} <= outcomes, outcomes
-    assert outcomes & {"bad_request", "too_large"}, outcomes
-    tasks = background.run(_task_names())
-    assert [t for t in tasks if t.startswith("prefill")] == []
 
 
 async def _task_names() -> list[str]:

@@ -144,35 +144,21 @@ def rejection(answer: pb.ProcessingResponse) -> tuple[int, str]:
 # --- (a) a large body streams past, only its end rewritten --------------------------------
 
 
-@pytest.mark.parametrize(
-    "sizes",
-    [
-        [100 * KiB, 100 * KiB],  # the last chunk holds the whole tail: every other passes
-        [100 * KiB, 100 * KiB, 100 * KiB],
-        "crossing",  # a chunk before the last reaches into the tail: it is cut short
-        "inside",  # and one more lies wholly inside it: cleared
-    ],
-)
-async def test_a_large_body_is_streamed_and_only_its_tail_rewritten(
-    h: Harness, sizes: list[int] | str
-) -> None:
-    original, raw = large_chat(max_completion_tokens=100)
-    length = len(raw)
+def chunk_sizes(sizes: list[int] | str, length: int) -> list[int]:
+    """The named cuts of a body of `length` bytes as chunk sizes."""
     if sizes == "crossing":
-        sizes = [128 * KiB, length - 128 * KiB - 5]
-    elif sizes == "inside":
-        sizes = [128 * KiB, length - 128 * KiB - 10, 4]
+        return [128 * KiB, length - 128 * KiB - 5]
+    if sizes == "inside":
+        return [128 * KiB, length - 128 * KiB - 10, 4]
     assert isinstance(sizes, list)
-    chunks = split(raw, sizes)
-    assert len(chunks) >= 3
-    assert b"".join(chunks) == raw
+    return sizes
 
-    call = h.open()
-    await call.write(headers_msg(extra={**h.target, **length_header(length), "authorization": "t"}))
-    assert_streamed_headers(await recv(call))
-    answers = await send_chunks(call, chunks)
-    assert len(answers) == len(chunks)
 
+def assert_only_the_tail_held(
+    chunks: list[bytes], answers: list[pb.ProcessingResponse], length: int
+) -> None:
+    """Every chunk before the last is unmarked; one wholly before the tail is passed on
+    untouched, one reaching into it is cut short or cleared."""
     released = 0
     for chunk, answer in zip(chunks[:-1], answers[:-1], strict=True):
         assert checked_mark(answer) is None
@@ -181,7 +167,14 @@ async def test_a_large_body_is_streamed_and_only_its_tail_rewritten(
         else:
             assert answer.request_body.response.HasField("body_mutation")
         released += len(chunk)
-    last = answers[-1]
+
+
+def assert_rewritten_tail(
+    raw: bytes, chunks: list[bytes], answers: list[pb.ProcessingResponse], original: Any
+) -> dict[str, Any]:
+    """What the decode gets: the client's bytes up to the tail, then the tail with the
+    kv_transfer_params member spliced in before its closing brace; returns those params."""
+    length, last = len(raw), answers[-1]
     assert checked_mark(last) is True
     assert not last.request_body.response.header_mutation.set_headers  # no content-length
     decode = b"".join(decode_bytes(c, a) for c, a in zip(chunks, answers, strict=True))
@@ -191,18 +184,25 @@ async def test_a_large_body_is_streamed_and_only_its_tail_rewritten(
     assert len(tail) > TAIL
     assert tail.endswith(b"}")
     parsed = orjson.loads(decode)
-    kv = parsed.pop("kv_transfer_params")
+    kv: dict[str, Any] = parsed.pop("kv_transfer_params")
     assert parsed == original
     assert (
         tail
         == raw[len(decode) - len(tail) : -1] + b"," + members({"kv_transfer_params": kv}) + b"}"
     )
+    return kv
+
+
+def assert_decode_kv_params(kv: dict[str, Any], h: Harness) -> None:
     assert kv["do_remote_prefill"] is True
     assert kv["do_remote_decode"] is False
     assert kv["remote_bootstrap_addr"] == h.prefill.bootstrap_url
     assert kv["transfer_id"].startswith("xfer-")
 
-    (record,) = await finished_prefills(h, 1)
+
+def assert_prefill_leg(record: dict[str, Any], kv: dict[str, Any], length: int, h: Harness) -> None:
+    """The prefill pod got the whole body, one token's worth, paired with the decode's
+    params, with the client's headers but not pdproc's own."""
     assert record["body"]["kv_transfer_params"] == {
         "do_remote_prefill": False,
         "do_remote_decode": True,
@@ -217,6 +217,9 @@ async def test_a_large_body_is_streamed_and_only_its_tail_rewritten(
     assert record["headers"]["authorization"] == "t"
     assert "x-prefiller-host-port" not in record["headers"]
 
+
+async def finish_counted_as_pd(call: Any, h: Harness) -> None:
+    """The decode answers 200; the stream ends, counted once as P/D, its bytes released."""
     await call.write(response_headers_msg("200"))
     answer = await recv(call)
     assert answer.WhichOneof("response") == "response_headers"
@@ -227,6 +230,38 @@ async def test_a_large_body_is_streamed_and_only_its_tail_rewritten(
     assert h.sample("pdproc_requests_total") == 1
     assert h.sample(STREAMED) == 1
     assert h.sample(IN_FLIGHT) == 0
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [100 * KiB, 100 * KiB],  # the last chunk holds the whole tail: every other passes
+        [100 * KiB, 100 * KiB, 100 * KiB],
+        "crossing",  # a chunk before the last reaches into the tail: it is cut short
+        "inside",  # and one more lies wholly inside it: cleared
+    ],
+)
+async def test_a_large_body_is_streamed_and_only_its_tail_rewritten(
+    h: Harness, sizes: list[int] | str
+) -> None:
+    original, raw = large_chat(max_completion_tokens=100)
+    length = len(raw)
+    chunks = split(raw, chunk_sizes(sizes, length))
+    assert len(chunks) >= 3
+    assert b"".join(chunks) == raw
+
+    call = h.open()
+    await call.write(headers_msg(extra={**h.target, **length_header(length), "authorization": "t"}))
+    assert_streamed_headers(await recv(call))
+    answers = await send_chunks(call, chunks)
+    assert len(answers) == len(chunks)
+
+    assert_only_the_tail_held(chunks, answers, length)
+    kv = assert_rewritten_tail(raw, chunks, answers, original)
+    assert_decode_kv_params(kv, h)
+    (record,) = await finished_prefills(h, 1)
+    assert_prefill_leg(record, kv, length, h)
+    await finish_counted_as_pd(call, h)
 
 
 async def test_an_empty_last_chunk_releases_the_whole_tail(h: Harness) -> None:
@@ -598,21 +633,13 @@ async def test_a_stream_ended_before_any_body_releases_the_budget(h: Harness) ->
     assert h.sample(IN_FLIGHT) == 0
 
 
-async def test_streamed_bodies_past_max_inflight_bytes_get_503(
-    make_harness: Callable[..., Any],
-) -> None:
-    """Bytes that arrived count: a body whose next chunk would pass the budget while
-    another holds bytes is refused (503) at that chunk, and a new one is refused at its
-    headers while the budget is full."""
-    _, raw = large_chat()
-    budget = len(raw) + len(raw) // 2
-    h: Harness = await make_harness(stream_body_bytes=256 * KiB, max_inflight_bytes=budget)
+async def refused_at_the_chunk_past_the_budget(h: Harness, raw: bytes) -> list[Any]:
+    """A second body fits beside a first one until its bytes pass the budget; its calls."""
     first_call, first = await streamed_call(h, len(raw))
     assert_streamed_headers(first)
     first_chunks = split(raw, [200 * KiB])
     await send_chunks(first_call, first_chunks[:1], end=False)
     assert h.sample(IN_FLIGHT) == 200 * KiB
-    # A second body fits beside it until its bytes pass the budget.
     second_call, second = await streamed_call(h, len(raw))
     assert_streamed_headers(second)
     answers = await send_chunks(second_call, split(raw, [200 * KiB, 100 * KiB]), end=False)
@@ -623,17 +650,35 @@ async def test_streamed_bodies_past_max_inflight_bytes_get_503(
     answers = await send_chunks(first_call, first_chunks[1:])
     assert checked_mark(answers[-1]) is True
     assert h.sample(IN_FLIGHT) == 0
-    # A body alone may pass the budget (bounding one body is --max-body-bytes' job)...
+    return [first_call, second_call]
+
+
+async def refused_at_the_headers_while_full(h: Harness, raw: bytes) -> list[Any]:
+    """A body alone may pass the budget (bounding one body is --max-body-bytes' job), and
+    while the budget is full a new streamed body is refused at its headers; their calls."""
     big = raw[:-2] + b" " * 12 + raw[-2:]
-    h2: Harness = await make_harness(stream_body_bytes=256 * KiB, max_inflight_bytes=len(raw) // 2)
-    alone_call, alone = await streamed_call(h2, len(big))
+    alone_call, alone = await streamed_call(h, len(big))
     assert_streamed_headers(alone)
-    answers = await send_chunks(alone_call, split(big, [100 * KiB, 100 * KiB]), end=False)
-    assert h2.sample(IN_FLIGHT) == len(big)
-    # ...and while the budget is full, a new streamed body is refused at its headers.
-    full_call, full = await streamed_call(h2, len(raw))
+    await send_chunks(alone_call, split(big, [100 * KiB, 100 * KiB]), end=False)
+    assert h.sample(IN_FLIGHT) == len(big)
+    full_call, full = await streamed_call(h, len(raw))
     assert full.immediate_response.status.code == 503
-    for call in (first_call, second_call, alone_call, full_call):
+    return [alone_call, full_call]
+
+
+async def test_streamed_bodies_past_max_inflight_bytes_get_503(
+    make_harness: Callable[..., Any],
+) -> None:
+    """Bytes that arrived count: a body whose next chunk would pass the budget while
+    another holds bytes is refused (503) at that chunk, and a new one is refused at its
+    headers while the budget is full."""
+    _, raw = large_chat()
+    budget = len(raw) + len(raw) // 2
+    h: Harness = await make_harness(stream_body_bytes=256 * KiB, max_inflight_bytes=budget)
+    calls = await refused_at_the_chunk_past_the_budget(h, raw)
+    h2: Harness = await make_harness(stream_body_bytes=256 * KiB, max_inflight_bytes=len(raw) // 2)
+    calls += await refused_at_the_headers_while_full(h2, raw)
+    for call in calls:
         call.cancel()
     await eventually_async(lambda: h.sample(IN_FLIGHT) == 0 and h2.sample(IN_FLIGHT) == 0)
     assert h.sample(STREAMED) == 2

@@ -79,6 +79,36 @@ async def pd_exchange(t: Traced, prefill: RunningPrefill) -> Any:
     return call
 
 
+def assert_parented(request: ReadableSpan, *children: ReadableSpan) -> None:
+    """Parented on the trace context Envoy forwarded; children of the request span."""
+    assert format(request.context.trace_id, "032x") == TRACE_ID
+    assert request.parent is not None
+    assert format(request.parent.span_id, "016x") == "00f067aa0ba902b7"
+    for child in children:
+        assert child.context.trace_id == request.context.trace_id
+        assert child.parent is not None
+        assert child.parent.span_id == request.context.span_id
+
+
+def assert_request_attributes(request: ReadableSpan) -> None:
+    attrs = request.attributes or {}
+    assert attrs["pdproc.outcome"] == "pd"
+    assert attrs["url.path"] == "/v1/chat/completions"
+    assert attrs["pdproc.transfer_id"].startswith("xfer-")  # type: ignore[union-attr]
+
+
+def assert_prefill_attributes(
+    prefill_span: ReadableSpan, request: ReadableSpan, prefill: RunningPrefill
+) -> None:
+    attrs = request.attributes or {}
+    p_attrs = prefill_span.attributes or {}
+    assert p_attrs["http.response.status_code"] == 200
+    assert p_attrs["pdproc.prefill.outcome"] == "2xx"
+    assert p_attrs["pdproc.prefill.target"] == prefill.address
+    assert p_attrs["pdproc.transfer_id"] == attrs["pdproc.transfer_id"]
+    assert p_attrs["pdproc.engine_id"] == prefill.engine_ids[int(p_attrs["pdproc.dp_rank"])]  # type: ignore[arg-type]
+
+
 async def test_span_tree_of_a_pd_request(traced: Traced, prefill: RunningPrefill) -> None:
     call = await pd_exchange(traced, prefill)
     await call.write(response_headers_msg("200"))
@@ -91,24 +121,9 @@ async def test_span_tree_of_a_pd_request(traced: Traced, prefill: RunningPrefill
         spans["pdproc.bootstrap"],
         spans["pdproc.prefill"],
     )
-    # Parented on the trace context Envoy forwarded; children of the request span.
-    assert format(request.context.trace_id, "032x") == TRACE_ID
-    assert request.parent is not None
-    assert format(request.parent.span_id, "016x") == "00f067aa0ba902b7"
-    for child in (bootstrap, prefill_span):
-        assert child.context.trace_id == request.context.trace_id
-        assert child.parent is not None
-        assert child.parent.span_id == request.context.span_id
-    attrs = request.attributes or {}
-    assert attrs["pdproc.outcome"] == "pd"
-    assert attrs["url.path"] == "/v1/chat/completions"
-    assert attrs["pdproc.transfer_id"].startswith("xfer-")  # type: ignore[union-attr]
-    p_attrs = prefill_span.attributes or {}
-    assert p_attrs["http.response.status_code"] == 200
-    assert p_attrs["pdproc.prefill.outcome"] == "2xx"
-    assert p_attrs["pdproc.prefill.target"] == prefill.address
-    assert p_attrs["pdproc.transfer_id"] == attrs["pdproc.transfer_id"]
-    assert p_attrs["pdproc.engine_id"] == prefill.engine_ids[int(p_attrs["pdproc.dp_rank"])]  # type: ignore[arg-type]
+    assert_parented(request, bootstrap, prefill_span)
+    assert_request_attributes(request)
+    assert_prefill_attributes(prefill_span, request, prefill)
     assert (bootstrap.attributes or {})["pdproc.bootstrap.engines"] == 2
 
     # The prefill request carried the prefill span's context, not the client's.

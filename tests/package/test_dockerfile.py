@@ -79,17 +79,26 @@ def test_a_wheelhouse_build_never_asks_an_index() -> None:
     """With wheels in the wheelhouse, every pip install of the image is --no-index; the
     default wheelhouse is an empty folder of the build context (so the default build, from
     PyPI, needs no argument)."""
+    assert_default_wheelhouse_empty_and_in_the_context()
+    installs = pip_installs()
+    assert len(installs) == 2, installs  # pdproc, then pdproc-sim
+    for install in installs:
+        assert "if ls /wheelhouse/*.whl >/dev/null 2>&1; then set -- --no-index; fi" in install
+        assert 'pip install "$@" --find-links /wheelhouse' in install
+
+
+def assert_default_wheelhouse_empty_and_in_the_context() -> None:
     default = REPO / ARGS["WHEELHOUSE"]
     assert default.is_dir()
     assert not list(default.glob("*.whl"))
     assert f"!{ARGS['WHEELHOUSE']}/" in DOCKERIGNORE
     assert "!build/wheelhouse/" in DOCKERIGNORE  # where `make image` puts it
+
+
+def pip_installs() -> list[str]:
+    """The RUN instructions of every stage that install into the image's virtualenv."""
     runs = [i for _, body in stages() for i in instructions(body) if i.startswith("RUN ")]
-    installs = [i for i in runs if "/opt/pdproc/bin/pip install" in i]
-    assert len(installs) == 2, installs  # pdproc, then pdproc-sim
-    for install in installs:
-        assert "if ls /wheelhouse/*.whl >/dev/null 2>&1; then set -- --no-index; fi" in install
-        assert 'pip install "$@" --find-links /wheelhouse' in install
+    return [i for i in runs if "/opt/pdproc/bin/pip install" in i]
 
 
 def test_kubernetes_runs_the_image_make_image_tags() -> None:

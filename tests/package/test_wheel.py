@@ -81,10 +81,15 @@ def test_pdproc_wheel_holds_every_runtime_file(pdproc_wheel: Path) -> None:
     assert stubs == generated
 
 
+def outside(files: set[str], package: str) -> list[str]:
+    """The wheel's files neither in `package` nor in its .dist-info folder."""
+    dist_info = next(n.split("/")[0] for n in files if n.endswith(".dist-info/METADATA"))
+    return sorted(n for n in files if not n.startswith((package, f"{dist_info}/")))
+
+
 def test_pdproc_wheel_holds_nothing_else(pdproc_wheel: Path) -> None:
     files = wheel_files(pdproc_wheel)
-    dist_info = next(n.split("/")[0] for n in files if n.endswith(".dist-info/METADATA"))
-    stray = sorted(n for n in files if not n.startswith(("pdproc/", f"{dist_info}/")))
+    stray = outside(files, "pdproc/")
     assert not stray, f"outside pdproc/: {stray}"
     tests = sorted(n for n in files if "tests/" in n or Path(n).name.startswith("test_"))
     assert not tests, f"tests in the wheel: {tests}"
@@ -123,8 +128,7 @@ def test_sim_wheel_holds_the_simulator_only(sim_wheel: Path) -> None:
     files = wheel_files(sim_wheel)
     missing = sorted(source_files(REPO / "sim" / "pdproc_sim") - files)
     assert not missing, f"{sim_wheel.name} lacks files of sim/pdproc_sim/: {missing}"
-    dist_info = next(n.split("/")[0] for n in files if n.endswith(".dist-info/METADATA"))
-    stray = sorted(n for n in files if not n.startswith(("pdproc_sim/", f"{dist_info}/")))
+    stray = outside(files, "pdproc_sim/")
     assert not stray, f"outside pdproc_sim/: {stray}"
     version = metadata(sim_wheel)["Version"][0]
     assert f"pdproc=={version}" in [

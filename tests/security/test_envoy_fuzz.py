@@ -10,6 +10,7 @@ import itertools
 import time
 from typing import Any
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from pdproc_sim.devstack import Stack
@@ -56,6 +57,34 @@ def decode_of(stack: Stack, tag: str) -> dict[str, Any]:
         time.sleep(0.02)
 
 
+def assert_refused_before_the_decode(
+    stack: Stack, response: httpx.Response, tag: str, refused: float
+) -> None:
+    assert response.status_code == 400, response.text
+    assert response.headers["x-pdproc-error"] == "bad_request"
+    assert metric(stack, "pdproc_requests_total", outcome="bad_request") == refused + 1
+    assert tagged(stack, "decode", tag) == []
+
+
+def assert_carried_to_both_legs(
+    stack: Stack, response: httpx.Response, tag: str, client: dict[str, Any]
+) -> None:
+    """The decode got the client's object exactly plus the gateway's params; the prefill
+    paired with it got the client's values exactly (but for what priming changes)."""
+    assert response.status_code == 200, response.text
+    decode = decode_of(stack, tag)["body"]
+    params = decode["kv_transfer_params"]
+    assert decode == {**client, "kv_transfer_params": params}
+    (prefill,) = [
+        r["body"]
+        for r in raw_records(stack, "prefill")
+        if r["body"]["kv_transfer_params"]["transfer_id"] == params["transfer_id"]
+    ]
+    for key, value in client.items():
+        if key not in PRIMED:
+            assert prefill[key] == value, key
+
+
 def test_fuzzed_bodies_through_envoy(fresh: Stack) -> None:
     errors = ext_proc_errors(fresh)
     target = str(fresh.sim.prefill)
@@ -73,24 +102,10 @@ def test_fuzzed_bodies_through_envoy(fresh: Stack) -> None:
         response = send(fresh, body, target, headers={TAG: tag})
         assert response.status_code < 500, response.text
         if verdict == "400":
-            assert response.status_code == 400, response.text
-            assert response.headers["x-pdproc-error"] == "bad_request"
-            assert metric(fresh, "pdproc_requests_total", outcome="bad_request") == refused + 1
-            assert tagged(fresh, "decode", tag) == []
+            assert_refused_before_the_decode(fresh, response, tag, refused)
         elif verdict == "pd":
             assert client is not None
-            assert response.status_code == 200, response.text
-            decode = decode_of(fresh, tag)["body"]
-            params = decode["kv_transfer_params"]
-            assert decode == {**client, "kv_transfer_params": params}
-            (prefill,) = [
-                r["body"]
-                for r in raw_records(fresh, "prefill")
-                if r["body"]["kv_transfer_params"]["transfer_id"] == params["transfer_id"]
-            ]
-            for key, value in client.items():
-                if key not in PRIMED:
-                    assert prefill[key] == value, key
+            assert_carried_to_both_legs(fresh, response, tag, client)
 
     check()
     assert ext_proc_errors(fresh) == errors

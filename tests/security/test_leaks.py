@@ -44,12 +44,16 @@ async def test_prefill_error_body_reaches_neither_client_nor_log(
         return any(r.getMessage().startswith("pd request prefill failed") for r in caplog.records)
 
     await eventually_async(failure_logged)
+    assert_secret_logged_only_if_asked(caplog.records, log_bodies)
+
+
+def assert_secret_logged_only_if_asked(records: list[logging.LogRecord], log_bodies: bool) -> None:
     # Each record as pdproc writes it: one JSON line, message and extra fields.
-    lines = [JsonFormatter().format(record) for record in caplog.records]
+    lines = [JsonFormatter().format(record) for record in records]
     leaked = [line for line in lines if SECRET in line]
     if log_bodies:
         # Asked for: the prompt excerpt and the pod's error body are logged.
-        (failed,) = [r for r in caplog.records if r.getMessage().startswith("pd request prefill")]
+        (failed,) = [r for r in records if r.getMessage().startswith("pd request prefill")]
         assert SECRET in failed.__dict__["prefill_error_body"]
     else:
         assert leaked == []

@@ -38,14 +38,7 @@ async def test_bodies_beyond_the_budget_get_503_and_the_budget_returns_to_0(
     first = asyncio.create_task(pd.play(LARGE, prefill=pod.address))
     await eventually_async(lambda: pd.sample("pdproc_request_body_bytes_in_flight") == len(LARGE))
     try:
-        # Meanwhile, more large bodies: P/D ones and ones the decode would serve alone.
-        refused = await asyncio.gather(
-            *(pd.play(LARGE, prefill=pod.address) for _ in range(3)),
-            *(pd.play(LARGE) for _ in range(2)),
-        )
-        for outcome in refused:
-            assert (outcome.status, outcome.error_kind) == (503, "overloaded")
-            assert outcome.decode_body is None
+        await assert_more_large_bodies_refused(pd, pod)
         # A small body still fits beside the held one.
         small = asyncio.create_task(pd.play(CHAT_BYTES, prefill=pod.address))
         await eventually_async(
@@ -60,7 +53,23 @@ async def test_bodies_beyond_the_budget_get_503_and_the_budget_returns_to_0(
     assert (
         pd.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="overloaded") == 5
     )
-    # Nothing broke: the next large body is served, streams close, the budget is free.
+    await assert_nothing_broke(pd, pod)
+
+
+async def assert_more_large_bodies_refused(pd: Pd, pod: HostilePod) -> None:
+    """More large bodies while the budget is held: P/D ones and ones the decode would serve
+    alone, each a 503 `overloaded` that never reaches the decode."""
+    refused = await asyncio.gather(
+        *(pd.play(LARGE, prefill=pod.address) for _ in range(3)),
+        *(pd.play(LARGE) for _ in range(2)),
+    )
+    for outcome in refused:
+        assert (outcome.status, outcome.error_kind) == (503, "overloaded")
+        assert outcome.decode_body is None
+
+
+async def assert_nothing_broke(pd: Pd, pod: HostilePod) -> None:
+    """The next large body is served, streams close, the budget is free."""
     assert (await pd.play(LARGE, prefill=pod.address)).disaggregated
     await eventually_async(lambda: pd.sample("pdproc_streams_active") == 0)
     assert pd.sample("pdproc_request_body_bytes_in_flight") == 0

@@ -197,37 +197,59 @@ def test_every_route_goes_through_pdproc_and_the_guard_or_reaches_no_pod(stack: 
     assert "direct_response" in vhost["routes"][-1]
 
 
+def attack_route(
+    stack: Stack,
+    canary: Canary,
+    route: dict[str, Any],
+    pd_paths: list[str],
+    headers: dict[str, str],
+    answers: dict[tuple[str, str, str], int],
+) -> None:
+    """Every path, method and attack body on one route: refused by pdproc or the guard
+    (400), or no such route (404); the statuses land in `answers`."""
+    kind = classify(route)
+    for path in paths_for(route, pd_paths):
+        methods = ["POST", "PUT"] if kind != "no-pod" else ["POST"]
+        for method in methods:
+            for name, body in attack_bodies(canary).items():
+                status = request(stack, method, path, body, headers)
+                answers[(method, path, name)] = status
+                expected = {400} if kind != "no-pod" else {404}
+                assert status in expected, (route["name"], method, path, name, status)
+
+
+def reset_pods(stack: Stack) -> None:
+    for role in ("prefill", "decode"):
+        stack.sim_post(role, "/sim/reset")
+
+
+def send_clean_bodies(stack: Stack, pd_paths: list[str], headers: dict[str, str]) -> None:
+    """A clean body with SGLang's override headers to a P/D route and an open one (decode
+    alone: no prefill target)."""
+    for path in (pd_paths[0], "/v1/models"):
+        request(stack, "POST", path, orjson.dumps(CHAT), headers)
+
+
 @pytest.mark.parametrize("pdproc_up", [True, False], ids=["pdproc-up", "pdproc-down"])
 def test_no_route_carries_transfer_fields_to_a_pod(
     stack: Stack, canary: Canary, pdproc_up: bool
 ) -> None:
     if not pdproc_up:
         stack.pdproc.stop()  # ext_proc fails open: only the config and the guard are left
-    for role in ("prefill", "decode"):
-        stack.sim_post(role, "/sim/reset")
+    reset_pods(stack)
     vhost = virtual_host(loaded_config(stack))
     pd_paths = [r["match"]["path"] for r in vhost["routes"] if r["name"] == "pd"]
     headers = override_headers(canary)
     before = decode_hits(stack)
     answers: dict[tuple[str, str, str], int] = {}
     for route in vhost["routes"]:
-        kind = classify(route)
-        for path in paths_for(route, pd_paths):
-            methods = ["POST", "PUT"] if kind != "no-pod" else ["POST"]
-            for method in methods:
-                for name, body in attack_bodies(canary).items():
-                    status = request(stack, method, path, body, headers)
-                    answers[(method, path, name)] = status
-                    # Refused by pdproc or the guard (400), or no such route (404).
-                    expected = {400} if kind != "no-pod" else {404}
-                    assert status in expected, (route["name"], method, path, name, status)
+        attack_route(stack, canary, route, pd_paths, headers, answers)
     # None of those requests reached a pod at all, and the canary heard nothing.
     assert decode_hits(stack) == before
     assert len(answers) > 100
-    # A clean body with SGLang's override headers reaches the decode (decode alone: no
-    # prefill target), the headers stripped on every route that reaches a pod.
-    for path in (pd_paths[0], "/v1/models"):
-        request(stack, "POST", path, orjson.dumps(CHAT), headers)
+    # The clean bodies reach the decode, the override headers stripped on every route that
+    # reaches a pod.
+    send_clean_bodies(stack, pd_paths, headers)
     assert decode_hits(stack) == before + 2
     assert carried(stack) == []
     assert canary.hits == []

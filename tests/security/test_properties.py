@@ -118,33 +118,50 @@ def test_any_body_is_a_400_or_carried_exactly_and_never_a_5xx(bg: Background, bo
     assert outcome.status < 500, (outcome.status, outcome.error)
     assert_untouched(bg)
     if verdict == "400":
-        assert outcome.status == 400, outcome.decode_body
-        assert outcome.error_kind == "bad_request"
-        assert outcome.decode_body is None
-        assert len(bg.pod.prefills()) == prefills
+        assert_refused_untouched(bg, outcome, prefills)
     elif verdict == "pd":
         assert client is not None
-        assert outcome.status == 200, outcome.error
-        assert outcome.decode_body is not None
-        params = outcome.kv_params
-        assert params is not None
-        assert params["do_remote_prefill"] is True
-        assert params["remote_engine_id"] == "e0"
-        assert str(params["transfer_id"]).startswith("xfer-")
-        # The decode: the client's object, exactly, plus the gateway's params, once.
-        assert top_level_duplicates(outcome.decode_body) == []
-        assert json.loads(outcome.decode_body) == {**client, "kv_transfer_params": params}
-        # The prefill: the client's values exactly, primed to one token.
-        prefill = prefill_body(bg, params["transfer_id"])
-        assert prefill["kv_transfer_params"] == {
-            "do_remote_prefill": False,
-            "do_remote_decode": True,
-            "transfer_id": params["transfer_id"],
-        }
-        assert (prefill["max_tokens"], prefill["stream"], prefill["ignore_eos"]) == (1, False, True)
-        for key, value in client.items():
-            if key not in PRIMED:
-                assert prefill[key] == value, key
+        params = assert_decode_carried_exactly(outcome, client)
+        assert_prefill_carried_exactly(bg, params, client)
+
+
+def assert_refused_untouched(bg: Background, outcome: Outcome, prefills: int) -> None:
+    """A 400 of its own kind; the decode got nothing and the pod no prefill."""
+    assert outcome.status == 400, outcome.decode_body
+    assert outcome.error_kind == "bad_request"
+    assert outcome.decode_body is None
+    assert len(bg.pod.prefills()) == prefills
+
+
+def assert_decode_carried_exactly(outcome: Outcome, client: dict[str, Any]) -> dict[str, Any]:
+    """The decode: the client's object, exactly, plus the gateway's params, once; returns
+    those params."""
+    assert outcome.status == 200, outcome.error
+    assert outcome.decode_body is not None
+    params = outcome.kv_params
+    assert params is not None
+    assert params["do_remote_prefill"] is True
+    assert params["remote_engine_id"] == "e0"
+    assert str(params["transfer_id"]).startswith("xfer-")
+    assert top_level_duplicates(outcome.decode_body) == []
+    assert json.loads(outcome.decode_body) == {**client, "kv_transfer_params": params}
+    return params
+
+
+def assert_prefill_carried_exactly(
+    bg: Background, params: dict[str, Any], client: dict[str, Any]
+) -> None:
+    """The prefill: the client's values exactly, primed to one token."""
+    prefill = prefill_body(bg, params["transfer_id"])
+    assert prefill["kv_transfer_params"] == {
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "transfer_id": params["transfer_id"],
+    }
+    assert (prefill["max_tokens"], prefill["stream"], prefill["ignore_eos"]) == (1, False, True)
+    for key, value in client.items():
+        if key not in PRIMED:
+            assert prefill[key] == value, key
 
 
 # -- (b) x-prefiller-host-port -----------------------------------------------------------
@@ -173,22 +190,35 @@ def test_any_prefiller_header_gets_400_403_or_a_valid_answer(bg: Background) -> 
         assert outcome.status in (200, 400, 403), (outcome.status, outcome.error)
         assert len(outcome.raw_error) < 1024
         assert_untouched(bg)
-        if outcome.status == 400:
-            assert outcome.error_kind == "bad_request"
-        elif outcome.status == 403:
-            assert outcome.error_kind == "forbidden"
-        if outcome.status != 200:
-            assert bg.pod.hits["prefill"] == hits  # nobody was contacted
-        elif outcome.disaggregated:
-            assert outcome.kv_params is not None
-            bootstrap = f"http://127.0.0.1:{bg.pod.bootstrap_port}"
-            assert outcome.kv_params["remote_bootstrap_addr"] == bootstrap
-            assert bg.pod.hits["prefill"] == hits + 1
-        else:  # no target named: the decode alone, with the client's bytes
-            assert names_nothing(value)
-            assert outcome.decode_body == CHAT_BYTES
+        assert_refusal_kind(outcome)
+        assert_pod_contacted_only_for_pd(bg, outcome, hits, value)
 
     check()
+
+
+def assert_refusal_kind(outcome: Outcome) -> None:
+    if outcome.status == 400:
+        assert outcome.error_kind == "bad_request"
+    elif outcome.status == 403:
+        assert outcome.error_kind == "forbidden"
+
+
+def assert_pod_contacted_only_for_pd(
+    bg: Background, outcome: Outcome, hits: int, value: bytes | str
+) -> None:
+    """A refusal contacted nobody; a P/D answer prefilled once at the pod the header named;
+    a 200 without P/D is the decode alone, with the client's bytes, for a header naming
+    nothing."""
+    if outcome.status != 200:
+        assert bg.pod.hits["prefill"] == hits  # nobody was contacted
+    elif outcome.disaggregated:
+        assert outcome.kv_params is not None
+        bootstrap = f"http://127.0.0.1:{bg.pod.bootstrap_port}"
+        assert outcome.kv_params["remote_bootstrap_addr"] == bootstrap
+        assert bg.pod.hits["prefill"] == hits + 1
+    else:  # no target named: the decode alone, with the client's bytes
+        assert names_nothing(value)
+        assert outcome.decode_body == CHAT_BYTES
 
 
 UNPRINTABLE = {

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.envoy_side import Outcome
+
 from .conftest import CHAT_BYTES, Pd
 from .pods import HostilePod, redirect
 
@@ -49,7 +51,12 @@ async def test_prefill_redirect_is_not_followed(
     assert "redirects are not followed" in outcome.error["message"]
     assert other_pod.total_hits == 0
     assert pod.hits["prefill"] == 1
-    # The decode (reset by Envoy) was only ever pointed at the pod the allow list admitted.
+    assert_decode_pointed_only_at(outcome, pod)
+
+
+def assert_decode_pointed_only_at(outcome: Outcome, pod: HostilePod) -> None:
+    """The decode (reset by Envoy) was only ever pointed at the pod the allow list
+    admitted."""
     assert outcome.decode_body is not None
     assert b"OTHER-POD-ENGINE" not in outcome.decode_body
     assert outcome.kv_params is not None

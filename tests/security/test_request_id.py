@@ -67,15 +67,24 @@ async def test_unfit_request_id_is_replaced_on_both_legs_and_in_the_logs(
         return any(r.getMessage().startswith("pd request prefilled") for r in caplog.records)
 
     await eventually_async(prefill_logged)
+    assert_log_lines_short(caplog.records)
+    assert_no_forged_fields(caplog.records, minted)
+
+
+def assert_log_lines_short(records: list[logging.LogRecord]) -> None:
+    """In either format every line is one short line, with no long run of the client's id."""
     for formatter in (JsonFormatter(), TextFormatter()):
-        lines = [formatter.format(record) for record in caplog.records]
+        lines = [formatter.format(record) for record in records]
         assert lines
         for line in lines:
             assert len(line) < 2048, line[:200]
             assert "\n" not in line
             assert "A" * 200 not in line
-    # Text format: no field can be forged; the request id of every line is pdproc's.
-    for record in caplog.records:
+
+
+def assert_no_forged_fields(records: list[logging.LogRecord], minted: str) -> None:
+    """Text format: no field can be forged; the request id of every line is pdproc's."""
+    for record in records:
         bare = unquoted(TextFormatter().format(record))
         assert "level=error" not in bare
         assert re.findall(r" request_id=(\S+)", bare) in ([], [minted])

@@ -72,6 +72,44 @@ async def burst(pd: Pd, pod: HostilePod, ports: list[int]) -> list[Outcome]:
             task.cancel()
 
 
+async def assert_refusing_ports_leave_bounded_breakers(
+    pd: Pd, pod: HostilePod, refusing: list[int]
+) -> None:
+    """Ports nothing listens on, named at once: one /query for the host, and each refused
+    connection opens its target's breaker; the breaker table stays bounded."""
+    outcomes = await burst(pd, pod, refusing)
+    assert {(o.status, o.error_kind) for o in outcomes} == {(502, "prefill_failed")}
+    assert pod.hits["query"] == 1
+    assert 0 < len(pd.service.breakers) <= MAX_TARGETS
+    open_series = await pd.series("pdproc_prefill_breaker_open")
+    assert 0 < len(open_series) <= MAX_TARGETS
+
+
+async def assert_silent_ports_leave_bounded_series(
+    pd: Pd, pod: HostilePod, listeners: list[socket.socket]
+) -> list[Outcome]:
+    """Ports that accept and never answer: prefills in flight to all of them at once; the
+    per-target gauge stays bounded, and the host's map serves every port. Closing the
+    listeners ends them; their outcomes."""
+    running = [
+        asyncio.create_task(pd.play(CHAT_BYTES, prefill=f"127.0.0.1:{sock.getsockname()[1]}"))
+        for sock in listeners
+    ]
+    try:
+        await eventually_async(lambda: pd.service.launcher.total_in_flight == PORTS)
+        in_flight = await pd.series("pdproc_prefills_in_flight")
+        assert 0 < len(in_flight) <= MAX_TARGETS + 1  # plus the shared "other" series
+        total = sum(pd.sample("pdproc_prefills_in_flight", **s) for s in in_flight)
+        assert total == PORTS
+        assert pod.hits["query"] == 1  # one /query for 600 ports of one host
+    finally:
+        for sock in listeners:
+            sock.close()  # resets the waiting connections: every prefill fails at once
+        async with asyncio.timeout(SECONDS):
+            outcomes = await asyncio.gather(*running)
+    return outcomes
+
+
 async def test_client_chosen_ports_leave_bounded_state_and_one_query(
     pod: HostilePod, make_pdproc: Any
 ) -> None:
@@ -79,34 +117,8 @@ async def test_client_chosen_ports_leave_bounded_state_and_one_query(
     with silent_listeners(PORTS) as listeners:
         # Taken while the listeners hold theirs: the two sets of ports cannot overlap.
         refusing = closed_ports(PORTS)
-
-        # 300 ports nothing listens on, named at once: one /query for the host, and each
-        # refused connection opens its target's breaker; the breaker table stays bounded.
-        outcomes = await burst(pd, pod, refusing)
-        assert {(o.status, o.error_kind) for o in outcomes} == {(502, "prefill_failed")}
-        assert pod.hits["query"] == 1
-        assert 0 < len(pd.service.breakers) <= MAX_TARGETS
-        open_series = await pd.series("pdproc_prefill_breaker_open")
-        assert 0 < len(open_series) <= MAX_TARGETS
-
-        # 300 more ports that accept and never answer: prefills in flight to all of them at
-        # once; the per-target gauge stays bounded, and the host's map serves every port.
-        running = [
-            asyncio.create_task(pd.play(CHAT_BYTES, prefill=f"127.0.0.1:{sock.getsockname()[1]}"))
-            for sock in listeners
-        ]
-        try:
-            await eventually_async(lambda: pd.service.launcher.total_in_flight == PORTS)
-            in_flight = await pd.series("pdproc_prefills_in_flight")
-            assert 0 < len(in_flight) <= MAX_TARGETS + 1  # plus the shared "other" series
-            total = sum(pd.sample("pdproc_prefills_in_flight", **s) for s in in_flight)
-            assert total == PORTS
-            assert pod.hits["query"] == 1  # one /query for 600 ports of one host
-        finally:
-            for sock in listeners:
-                sock.close()  # resets the waiting connections: every prefill fails at once
-            async with asyncio.timeout(SECONDS):
-                outcomes = await asyncio.gather(*running)
+        await assert_refusing_ports_leave_bounded_breakers(pd, pod, refusing)
+        outcomes = await assert_silent_ports_leave_bounded_series(pd, pod, listeners)
     assert {o.status for o in outcomes} == {502}
     assert 0 < len(pd.service.breakers) <= MAX_TARGETS
     await eventually_async(lambda: pd.service.launcher.total_in_flight == 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -184,11 +185,17 @@ def test_serve_help_groups_every_setting(capsys: pytest.CaptureFixture[str]) -> 
     assert positions == sorted(positions)
     # Each flag under its group's heading.
     for title, names in SETTING_GROUPS.items():
-        start = help_text.index(f"\n{title}:\n")
-        following = [help_text.find(f"\n{t}:\n", start + 1) for t in SETTING_GROUPS]
-        end = min([p for p in following if p > start] or [len(help_text)])
+        section = group_section(help_text, title, SETTING_GROUPS)
         for name in names:
-            assert "--" + name.replace("_", "-") in help_text[start:end], (title, name)
+            assert "--" + name.replace("_", "-") in section, (title, name)
+
+
+def group_section(help_text: str, title: str, titles: Iterable[str]) -> str:
+    """The help text under the heading `title`, up to the next heading of `titles`."""
+    start = help_text.index(f"\n{title}:\n")
+    following = [help_text.find(f"\n{t}:\n", start + 1) for t in titles]
+    end = min([p for p in following if p > start] or [len(help_text)])
+    return help_text[start:end]
 
 
 def test_unknown_propagator_stops_serve_with_the_choices(

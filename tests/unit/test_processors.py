@@ -194,19 +194,24 @@ async def test_mooncake_pair_launches_both_legs_and_counts_pd_once_both_answered
     assert world.engines.prefetched == [POD]
     decode = rewritten(await processor.request_body(body()))
     job = world.launcher.job
-    prefill = orjson.loads(bytes(job.legs.prefill_body))
-    # The decode pulls what the prefill pushes: one transfer, named on both legs.
-    assert decode[KV]["transfer_id"] == prefill[KV]["transfer_id"]
-    assert decode[KV]["remote_engine_id"] == "engine-0"
-    assert job.legs.prefill_headers == {"x-data-parallel-rank": "0"}
-    assert span.attributes is not None
-    assert span.attributes["pdproc.dp_rank"] == 0
+    assert_one_transfer_on_both_legs(decode, job, span)
     assert world.counted.outcomes == []
     await settle(job, PrefillResult.OK, status=200)
     assert world.counted.outcomes == []  # the decode has not answered yet
     assert processor.response_headers(response_headers("200")) is msg.CONTINUE_RESPONSE_HEADERS
     assert world.counted.only is Outcome.PD
     assert processor.close(abandoned=False) is None
+
+
+def assert_one_transfer_on_both_legs(decode: dict[str, Any], job: Any, span: Any) -> None:
+    """The decode pulls what the prefill pushes: one transfer, named on both legs, from
+    engine 0's rank (on the prefill's headers and the span)."""
+    prefill = orjson.loads(bytes(job.legs.prefill_body))
+    assert decode[KV]["transfer_id"] == prefill[KV]["transfer_id"]
+    assert decode[KV]["remote_engine_id"] == "engine-0"
+    assert job.legs.prefill_headers == {"x-data-parallel-rank": "0"}
+    assert span.attributes is not None
+    assert span.attributes["pdproc.dp_rank"] == 0
 
 
 async def test_sglang_pair_sends_both_legs_the_same_room(world: World) -> None:

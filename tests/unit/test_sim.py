@@ -247,21 +247,34 @@ async def test_decode_waits_for_prefill_then_streams(
             await client.post(prefill.url + CHAT, json=prefill_body, headers=headers)
         ).is_success
         text = (await response.aread()).decode()
+    assert_chat_stream_of(text, 4)
+    await assert_decode_read_the_kv_of(client, decode, "eng_dp1", 1)
+
+
+def assert_chat_stream_of(text: str, tokens: int) -> None:
+    """An OpenAI chat stream: the assistant's role, `tokens` pieces of content ended by
+    the length limit, a usage chunk, then [DONE]."""
     events = sse_events(text)
     assert events[-1] == "[DONE]"
     chunks = [orjson.loads(e) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     content = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
-    assert len([c for c in content if c]) == 4
+    assert len([c for c in content if c]) == tokens
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    assert chunks[-1]["usage"]["completion_tokens"] == tokens
+
+
+async def assert_decode_read_the_kv_of(
+    client: httpx.AsyncClient, decode: RunningDecode, engine_id: str, rank: int
+) -> None:
+    """The decode's one request completed with the KV shipped by that engine and rank."""
     stats = (await client.get(decode.url + "/sim/stats")).json()
     assert (stats["kv_ok"], stats["completed"], stats["kv_failures"]) == (1, 1, {})
     record = (await client.get(decode.url + "/sim/requests?limit=1")).json()["requests"][0]
     assert record["kv"]["reason"] is None
-    assert (record["kv"]["engine_id"], record["kv"]["dp_rank"]) == ("eng_dp1", 1)
+    assert (record["kv"]["engine_id"], record["kv"]["dp_rank"]) == (engine_id, rank)
     assert record["kv"]["shipped"] is True
 
 

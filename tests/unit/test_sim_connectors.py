@@ -101,6 +101,20 @@ async def test_nixl_prefill_answers_the_decode_params_and_the_decode_reads_them(
 ) -> None:
     prefill, decode = nixl
     params = await nixl_prefill(client, prefill, "req-1")
+    blocks = assert_nixl_decode_params(params, prefill)
+
+    body = chat_body(stream=True, max_tokens=3, kv_transfer_params=params)
+    response = await client.post(decode.url + CHAT, json=body, headers={"x-request-id": "req-1"})
+    assert response.status_code == 200
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    await assert_decode_read_the_blocks(client, decode, blocks)
+    prefill_record = (await client.get(prefill.url + "/sim/requests?limit=1")).json()
+    assert prefill_record["requests"][0]["headers"]["x-request-id"] == "req-1"
+
+
+def assert_nixl_decode_params(params: dict[str, Any], prefill: RunningPrefill) -> list[int]:
+    """What the NIXL prefill answers for the decode, as vLLM 0.32 does; the block ids."""
     assert params["do_remote_prefill"] is True
     assert params["do_remote_decode"] is False
     assert params["remote_engine_id"] in prefill.engine_ids
@@ -108,24 +122,24 @@ async def test_nixl_prefill_answers_the_decode_params_and_the_decode_reads_them(
     assert params["remote_host"] == "127.0.0.1"
     assert params["remote_port"] == prefill.bootstrap_port
     # vLLM 0.32's shape: one list of block ids per KV cache group
+    blocks: list[int]
     (blocks,) = params["remote_block_ids"]
     assert blocks
     assert all(isinstance(b, int) for b in blocks)
     assert params["remote_num_tokens"] > 0
     assert (params["transfer_mode"], params["remote_blocks_expiry_time"]) == ("pull", None)
+    return blocks
 
-    body = chat_body(stream=True, max_tokens=3, kv_transfer_params=params)
-    response = await client.post(decode.url + CHAT, json=body, headers={"x-request-id": "req-1"})
-    assert response.status_code == 200
-    events = sse_events(response.text)
-    assert events[-1] == "[DONE]"
+
+async def assert_decode_read_the_blocks(
+    client: httpx.AsyncClient, decode: RunningDecode, blocks: list[int]
+) -> None:
+    """The NIXL decode read those blocks, for the request id both legs carried."""
     stats = (await client.get(decode.url + "/sim/stats")).json()
     assert (stats["kv_connector"], stats["kv_ok"], stats["kv_failures"]) == ("nixlv2", 1, {})
     record = (await client.get(decode.url + "/sim/requests?limit=1")).json()["requests"][0]
     assert record["kv"]["block_ids"] == blocks
     assert record["headers"]["x-request-id"] == "req-1"
-    prefill_record = (await client.get(prefill.url + "/sim/requests?limit=1")).json()
-    assert prefill_record["requests"][0]["headers"]["x-request-id"] == "req-1"
 
 
 @pytest.mark.asyncio

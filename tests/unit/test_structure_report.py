@@ -1,5 +1,6 @@
 """scripts/structure_report.py: import cycles (with and without TYPE_CHECKING imports) and
-complexity as ruff's C901 counts it, on a small package written for the test."""
+complexity as ruff's C901 counts it and as radon (the library) does, on a small package written
+for the test."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_cycles_at_run_time_and_through_type_checking(
     assert data["type_checking_imports"] == ["pkg.c -> pkg.a"]
 
 
-def test_complexity_counts_like_ruff_and_like_radon(
+def test_complexity_counts_like_ruff_and_as_radon_does(
     report_module: ModuleType, tmp_path: Path
 ) -> None:
     write(
@@ -72,6 +73,7 @@ def test_complexity_counts_like_ruff_and_like_radon(
             "pkg/__init__.py": "",
             "pkg/f.py": """
                 def f(x, items):
+                    assert items             # radon: +1
                     if x and items:          # +1 (radon: +1 for `and`)
                         pass
                     elif x:                  # +1
@@ -79,6 +81,8 @@ def test_complexity_counts_like_ruff_and_like_radon(
                     for i in items:          # +1
                         while i:             # +1
                             i -= 1
+                    else:                    # radon: +1
+                        pass
                     try:
                         pass
                     except ValueError:       # +1
@@ -86,14 +90,21 @@ def test_complexity_counts_like_ruff_and_like_radon(
                     else:                    # +1
                         pass
                     y = [i for i in items if i]  # radon: +2
+
+                    def g():                 # C901: +1 and its own (+1); radon: a block of its own
+                        if x:
+                            return 1
+
                     return y if x else None  # radon: +1
             """,
         },
     )
     data = report_module.report(tmp_path, "pkg", ["pkg"], over=5)
     (row,) = data["functions_over"]
-    assert (row["function"], row["complexity"], row["radon"]) == ("f", 7, 11)
-    assert data["max_per_package"]["pkg"]["complexity"] == 7
+    assert (row["function"], row["complexity"], row["radon"]) == ("f", 9, 13)
+    assert data["max_per_package"]["pkg"]["complexity"] == 9
+    rows = report_module.complexity(tmp_path, [tmp_path / "pkg" / "f.py"])
+    assert [(r.name, r.complexity, r.radon) for r in rows] == [("f", 9, 13), ("f.g", 2, 2)]
 
 
 GATED = {
@@ -115,6 +126,11 @@ GATED = {
             if x:
                 return 1
             return 0
+
+        def checked(a, b, c):            # C901 1, radon 4: asserts only
+            assert a
+            assert b
+            assert c
     """,
 }
 
@@ -132,13 +148,17 @@ def test_the_gate_lists_every_function_over_the_limit_by_either_count(tmp_path: 
     proc = run_gate(tmp_path, 3)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     listed = [line.split() for line in proc.stdout.splitlines()[2:]]
-    # C901, radon, where, name: the C901 offender first, then the radon-only one.
-    assert listed == [["4", "4", "pkg/g.py:2", "branchy"], ["1", "4", "pkg/g.py:11", "wordy"]]
-    assert "2 of 3 functions over 3" in proc.stdout
+    # C901, radon, where, name: the C901 offender first, then the radon-only ones.
+    assert listed == [
+        ["4", "4", "pkg/g.py:2", "branchy"],
+        ["1", "4", "pkg/g.py:11", "wordy"],
+        ["1", "4", "pkg/g.py:19", "checked"],
+    ]
+    assert "3 of 4 functions over 3" in proc.stdout
 
 
 def test_the_gate_passes_when_nothing_is_over(tmp_path: Path) -> None:
     write(tmp_path, GATED)
     proc = run_gate(tmp_path, 4)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "none of 3 functions is over 4" in proc.stdout
+    assert "none of 4 functions is over 4" in proc.stdout
