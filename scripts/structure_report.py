@@ -276,6 +276,11 @@ def complexity(root: Path, paths: Iterable[Path]) -> list[FunctionComplexity]:
     return table
 
 
+def _generated(part: str) -> bool:
+    """A folder of copies, not sources: virtualenvs and `python -m build`'s output."""
+    return part.startswith(".venv") or part in ("build", "dist", "__pycache__")
+
+
 def python_files(root: Path, dirs: Iterable[str]) -> list[Path]:
     files: list[Path] = []
     for folder in dirs:
@@ -285,7 +290,7 @@ def python_files(root: Path, dirs: Iterable[str]) -> list[Path]:
                 p
                 for p in sorted(base.rglob("*.py"))
                 if not any(p.is_relative_to(root / e) for e in EXCLUDED)
-                and not any(part.startswith(".venv") for part in p.parts)
+                and not any(_generated(part) for part in p.relative_to(root).parts)
             )
     return files
 
