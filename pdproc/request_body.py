@@ -30,6 +30,8 @@ Members: TypeAlias = dict[str, msgspec.Raw]
 """A JSON object's members: each value as the client's bytes (a slice of its body)."""
 
 Buffer: TypeAlias = bytes | memoryview
+ClientBytes: TypeAlias = bytes | bytearray
+"""A client's body: bytes, or the buffer a streamed body was gathered in."""
 
 
 class BodyError(ValueError):
@@ -47,7 +49,7 @@ _MEMBERS = msgspec.json.Decoder(Members)
 _ENCODER = msgspec.json.Encoder()
 
 
-def parse_body(raw: bytes) -> Members:
+def parse_body(raw: ClientBytes) -> Members:
     """The client's request as a JSON object's members, or BodyError with a message for the
     client."""
     try:
@@ -72,7 +74,7 @@ def parse_body(raw: bytes) -> Members:
     return members
 
 
-def _json_kind(raw: bytes) -> str:
+def _json_kind(raw: ClientBytes) -> str:
     try:
         value = msgspec.json.decode(raw)
     except (msgspec.DecodeError, RecursionError):
@@ -179,12 +181,12 @@ def members(fields: Mapping[str, Any]) -> bytes:
     return dumps(fields)[1:-1]
 
 
-def with_field(raw: bytes, parsed: Mapping[str, Any], key: str, value: Any) -> bytes:
+def with_field(raw: ClientBytes, parsed: Mapping[str, Any], key: str, value: Any) -> bytes:
     """The client's bytes with one top-level field appended (see `with_fields`)."""
     return with_fields(raw, parsed, {key: value})
 
 
-def with_fields(raw: bytes, parsed: Mapping[str, Any], fields: Mapping[str, Any]) -> bytes:
+def with_fields(raw: ClientBytes, parsed: Mapping[str, Any], fields: Mapping[str, Any]) -> bytes:
     """The client's bytes with top-level fields appended, no re-serialisation.
 
     The keys must not be in `parsed`. A prompt may be megabytes long: it is copied once and
@@ -196,7 +198,7 @@ def with_fields(raw: bytes, parsed: Mapping[str, Any], fields: Mapping[str, Any]
     return b"".join((memoryview(raw)[:cut], tail))
 
 
-def closing_brace(raw: bytes) -> int:
+def closing_brace(raw: ClientBytes) -> int:
     """The index of a JSON object's closing brace: parse_body proved it is the last byte
     that is not white space."""
     return _last_non_blank(raw, len(raw)) - 1
@@ -205,7 +207,7 @@ def closing_brace(raw: bytes) -> int:
 _JSON_BLANKS = b" \t\r\n"
 
 
-def _last_non_blank(raw: bytes, end: int) -> int:
+def _last_non_blank(raw: ClientBytes, end: int) -> int:
     """The end index of `raw[:end]` without trailing JSON whitespace (in C: a client may
     send megabytes of it)."""
     if end == 0 or raw[end - 1] not in _JSON_BLANKS:

@@ -16,7 +16,7 @@ Pure: no I/O, so it is tested without servers.
 
 from __future__ import annotations
 
-from pdproc.request_body import BodyError, Buffer, closing_brace
+from pdproc.request_body import BodyError, Buffer, ClientBytes, closing_brace
 
 # Bytes held back at the end of the body. The closing brace must fall among them: JSON
 # allows whitespace after it, and a client that sends more than 15 bytes of it gets a 400.
@@ -41,7 +41,11 @@ class StreamedBody:
             raise ValueError(f"a streamed body must be longer than {TAIL} bytes")
         self.length = length  # the client's content-length
         self._hold_from = length - TAIL
-        self._parts: list[bytes] = []
+        # The body so far: its first chunk as it came, then one buffer that each chunk
+        # extends (realloc moves a large buffer's pages without copying them), so its memory
+        # is touched as the chunks arrive and the end of the body costs no join.
+        self._first: bytes | None = None
+        self._buffer: bytearray | None = None
         self._received = 0
         self._released = 0  # bytes already passed on to the decode
 
@@ -52,7 +56,7 @@ class StreamedBody:
         self._received += len(chunk)
         if self._received > self.length:
             raise BodyError("request body is longer than its content-length")
-        self._parts.append(chunk)
+        self._keep(chunk)
         if end_of_stream:
             if self._received != self.length:
                 raise BodyError("request body is shorter than its content-length")
@@ -64,13 +68,27 @@ class StreamedBody:
         self._released = self._hold_from
         return memoryview(chunk)[: max(self._hold_from - start, 0)]
 
-    def whole(self) -> bytes:
-        """The client's body as it arrived (after the last chunk), once: the chunks are let
-        go (a body that came in one chunk is that chunk, not a copy)."""
-        parts, self._parts = self._parts, []
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+    def _keep(self, chunk: bytes) -> None:
+        if self._buffer is not None:
+            self._buffer += chunk
+        elif self._first is None:
+            self._first = chunk
+        else:
+            self._buffer = bytearray(self._first)
+            self._buffer += chunk
+            self._first = None
 
-    def tail(self, whole: bytes, insertion: bytes, *, empty_object: bool) -> tuple[Buffer, ...]:
+    def whole(self) -> ClientBytes:
+        """The client's body as it arrived (after the last chunk), once (a body that came in
+        one chunk is that chunk, not a copy). Never resized afterwards: the parsed members
+        are views of it."""
+        whole: ClientBytes = self._buffer if self._buffer is not None else self._first or b""
+        self._first = self._buffer = None
+        return whole
+
+    def tail(
+        self, whole: ClientBytes, insertion: bytes, *, empty_object: bool
+    ) -> tuple[Buffer, ...]:
         """The held-back bytes, with `insertion` (JSON object members, no separator; may be
         empty) spliced in before the closing brace, as pieces (views of `whole`) that the
         answer joins: a body that came in one chunk is all tail, and is copied once.

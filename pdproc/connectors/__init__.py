@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol, TypeAlias
 
-from pdproc.request_body import Pieces, with_fields
+from pdproc.request_body import ClientBytes, Pieces, with_fields
 from pdproc.targets import HostPort
 
 EngineMap = dict[int, str]
@@ -25,7 +25,7 @@ EngineMap = dict[int, str]
 @dataclass(frozen=True, slots=True)
 class ClientRequest:
     path: str
-    raw: bytes
+    raw: ClientBytes
     parsed: dict[str, Any]
     # The id both legs carry (Envoy's x-request-id).
     request_id: str = ""
