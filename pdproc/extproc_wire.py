@@ -7,9 +7,10 @@ that carry a body are simple (a bytes field one to four levels down), so they ar
 written here by hand, and nothing else is: every other field still goes through protobuf.
 
 Reading: a `ProcessingRequest` whose one `request` member is `request_body` becomes a
-`BodyRequest` (the body copied once out of the gRPC message; the message's other fields,
-if any, parsed by protobuf). Anything unusual (a field spelled twice, an unexpected wire
-type, a group) is left to protobuf, so pdproc reads exactly what protobuf reads.
+`BodyRequest` (the body a view of the gRPC message, copied only if it is needed as bytes;
+the message's other fields, if any, parsed by protobuf). Anything unusual (a field spelled
+twice, an unexpected wire type, a group) is left to protobuf, so pdproc reads exactly what
+protobuf reads.
 
 Writing: a body answer is written as two messages back to back, which protobuf reads as one
 (an embedded message that appears twice is merged): protobuf serialises everything but the
@@ -42,12 +43,29 @@ _HTTP_BODY_BODY = _number(pb.HttpBody, "body")
 _HTTP_BODY_END = _number(pb.HttpBody, "end_of_stream")
 
 
-@dataclass(frozen=True, slots=True)
 class Body:
-    """A request body message's content: these bytes, and whether they end the body."""
+    """A request body message's content, and whether it ends the body. `view` is the
+    content where gRPC received it (no copy: a streamed chunk is gathered from it); `body`
+    is it as bytes, copied on first use (a buffered body is parsed and kept as bytes)."""
 
-    body: bytes
-    end_of_stream: bool
+    __slots__ = ("_bytes", "end_of_stream", "view")
+
+    def __init__(self, content: Buffer, end_of_stream: bool) -> None:
+        self.view = memoryview(content)
+        self.end_of_stream = end_of_stream
+        self._bytes = content if isinstance(content, bytes) else None
+
+    @property
+    def body(self) -> bytes:
+        if self._bytes is None:
+            self._bytes = self.view.tobytes()
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def __repr__(self) -> str:
+        return f"Body({len(self)} bytes, end_of_stream={self.end_of_stream})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +129,7 @@ def _read_http_body(view: memoryview) -> Body:
             if wire != _VARINT:
                 raise _Irregular
             end_of_stream = _varint(view, value)[0] != 0
-    body = b"" if span is None else bytes(view[span[0] : span[1]])
+    body = b"" if span is None else view[span[0] : span[1]]
     return Body(body, end_of_stream)
 
 

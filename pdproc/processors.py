@@ -279,7 +279,7 @@ class DecodeOnly(PassThrough):
         return msg.CHECK_BODY_ONLY_HEADERS
 
     async def request_body(self, body: Body) -> Answer:
-        with self._deps.budget.hold(len(body.body)) as admitted:
+        with self._deps.budget.hold(len(body)) as admitted:
             if not admitted:
                 return self.context.reject(_OVERLOADED)
             checked = checked_body(self.context, body, self._deps.settings.max_body_bytes)
@@ -330,7 +330,7 @@ class Disaggregated:
         return msg.CONTINUE_REQUEST_HEADERS
 
     async def request_body(self, body: Body) -> Answer:
-        with self._deps.budget.hold(len(body.body)) as admitted:
+        with self._deps.budget.hold(len(body)) as admitted:
             if not admitted:
                 return self.context.reject(_OVERLOADED)
             checked = checked_body(self.context, body, self._deps.settings.max_body_bytes)
@@ -594,10 +594,10 @@ class ConcurrentPair(Disaggregated):
 
     async def _stream_chunk(self, body: Body, streamed: StreamedBody) -> Answer:
         """A chunk of a streamed body: on at once, except the held-back tail."""
-        if not self._budget.grow(len(body.body)):
+        if not self._budget.grow(len(body)):
             return self._stream_refused(_OVERLOADED)
         try:
-            data = streamed.feed(body.body, body.end_of_stream)
+            data = streamed.feed(body.view, body.end_of_stream)
         except BodyError as exc:
             return self._stream_refused(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
         if not body.end_of_stream:

@@ -44,12 +44,12 @@ class StreamedBody:
         # The body so far: its first chunk as it came, then one buffer that each chunk
         # extends (realloc moves a large buffer's pages without copying them), so its memory
         # is touched as the chunks arrive and the end of the body costs no join.
-        self._first: bytes | None = None
+        self._first: Buffer | None = None
         self._buffer: bytearray | None = None
         self._received = 0
         self._released = 0  # bytes already passed on to the decode
 
-    def feed(self, chunk: bytes, end_of_stream: bool) -> Buffer | None:
+    def feed(self, chunk: Buffer, end_of_stream: bool) -> Buffer | None:
         """Take one chunk; None when it goes on unchanged, else the bytes that replace it.
         BodyError when the body does not match its content-length."""
         start = self._received
@@ -68,7 +68,7 @@ class StreamedBody:
         self._released = self._hold_from
         return memoryview(chunk)[: max(self._hold_from - start, 0)]
 
-    def _keep(self, chunk: bytes) -> None:
+    def _keep(self, chunk: Buffer) -> None:
         if self._buffer is not None:
             self._buffer += chunk
         elif self._first is None:
@@ -82,9 +82,13 @@ class StreamedBody:
         """The client's body as it arrived (after the last chunk), once (a body that came in
         one chunk is that chunk, not a copy). Never resized afterwards: the parsed members
         are views of it."""
-        whole: ClientBytes = self._buffer if self._buffer is not None else self._first or b""
+        first, buffer = self._first, self._buffer
         self._first = self._buffer = None
-        return whole
+        if buffer is not None:
+            return buffer
+        if first is None:
+            return b""
+        return first if isinstance(first, bytes) else first.tobytes()
 
     def tail(
         self, whole: ClientBytes, insertion: bytes, *, empty_object: bool
