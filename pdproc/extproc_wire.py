@@ -59,6 +59,7 @@ class Body:
     def body(self) -> bytes:
         if self._bytes is None:
             self._bytes = self.view.tobytes()
+            self.view = memoryview(self._bytes)  # let gRPC's message go: one copy, not two
         return self._bytes
 
     def __len__(self) -> int:

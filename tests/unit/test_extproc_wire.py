@@ -110,6 +110,7 @@ def test_a_body_is_read_where_grpc_received_it() -> None:
     assert len(body) == 70_000
     assert body.body == b"x" * 70_000
     assert body.body is body.body
+    assert body.view.obj is body.body  # the message is no longer held
 
 
 def heads() -> st.SearchStrategy[pb.ProcessingResponse]:
