@@ -174,11 +174,15 @@ test-engines:
 # (pytest-xdist): most of these tests wait on sockets and timers, not on the CPU.
 # Bytecode is cached (under build/pycache) even where PYTHONDONTWRITEBYTECODE is set: every
 # worker imports and assertion-rewrites all the test modules, about 2.5 s of CPU each when
-# nothing is cached.
+# nothing is cached. The property tests try a third of their examples here (Hypothesis
+# profile `unit`, tests/hypothesis_budget.py; explicit @examples all run); `make test` runs
+# the full counts, and so does `make unit UNIT_HYPOTHESIS=default`.
 UNIT_WORKERS ?= 4
+UNIT_HYPOTHESIS ?= unit
 unit: $(STAMP)
 	PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX="$(CURDIR)/build/pycache" \
-	  $(PY) -m pytest -q -n $(UNIT_WORKERS) tests/unit tests/integration tests/security -m "not e2e"
+	  $(PY) -m pytest -q -n $(UNIT_WORKERS) --hypothesis-profile $(UNIT_HYPOTHESIS) \
+	  tests/unit tests/integration tests/security -m "not e2e"
 
 # Line and branch coverage of pdproc/ by `make unit`'s tests (settings in pyproject.toml);
 # the table ends with the total. Coverage is a dev dependency.

@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+# Registers the `unit` Hypothesis profile (`make unit` passes --hypothesis-profile unit).
+import tests.hypothesis_budget  # noqa: F401
+
 if TYPE_CHECKING:
     from pdproc_sim.devstack import Stack
 

@@ -24,6 +24,7 @@ from pdproc.config import Settings
 from pdproc.server import Server
 from pdproc.targets import AllowList, HostPort
 from tests.envoy_side import channel
+from tests.hypothesis_budget import examples
 
 REQUEST_TO_RESPONSE = {
     "request_headers": "request_headers",
@@ -222,7 +223,7 @@ async def exchange(port: int, sent: list[pb.ProcessingRequest]) -> list[pb.Proce
 
 
 @settings(
-    max_examples=150,
+    max_examples=examples(150),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
