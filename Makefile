@@ -173,11 +173,20 @@ test-engines:
 	  $(TPY) -m pytest -q -p no:cacheprovider -rxXs $(ENGINE_TESTS)
 
 # The fast loop: unit tests, pdproc over real gRPC in process (integration), and the security
-# tests that need no Envoy (tests/security marks the others e2e), in 4 worker processes
-# (pytest-xdist): most of these tests wait on sockets and timers, not on the CPU.
-UNIT_WORKERS ?= 4
+# tests that need no Envoy (tests/security marks the others e2e), in 3 worker processes
+# (pytest-xdist): enough to overlap the tests that wait on sockets and timers; on 2 cores a
+# fourth worker costs its start and collection (~1.5 s CPU) for no shorter run.
+# Bytecode is cached (under build/pycache) even where PYTHONDONTWRITEBYTECODE is set: every
+# worker imports and assertion-rewrites all the test modules, about 2.5 s of CPU each when
+# nothing is cached. The property tests try a third of their examples here (Hypothesis
+# profile `unit`, tests/hypothesis_budget.py; explicit @examples all run); `make test` runs
+# the full counts, and so does `make unit UNIT_HYPOTHESIS=default`.
+UNIT_WORKERS ?= 3
+UNIT_HYPOTHESIS ?= unit
 unit: $(STAMP)
-	$(PY) -m pytest -q -n $(UNIT_WORKERS) tests/unit tests/integration tests/security -m "not e2e"
+	PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX="$(CURDIR)/build/pycache" \
+	  $(PY) -m pytest -q -n $(UNIT_WORKERS) --hypothesis-profile $(UNIT_HYPOTHESIS) \
+	  tests/unit tests/integration tests/security -m "not e2e"
 
 # Line and branch coverage of pdproc/ by `make unit`'s tests (settings in pyproject.toml);
 # the table ends with the total. Coverage is a dev dependency.

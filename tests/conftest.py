@@ -4,7 +4,8 @@ checkout's `pdproc` (or an editable install) stops before the first test.
 
 Helpers every suite shares live beside this file: `tests/waiting.py` (`eventually`),
 `tests/stacks.py` (a running stack: `reset`, `records`, `served`), `tests/envoy_side.py`
-(Envoy's side of an ext_proc stream over real gRPC) and `tests/metric_samples.py`; the
+(Envoy's side of an ext_proc stream over real gRPC), `tests/metric_samples.py` and
+`tests/hypothesis_budget.py` (`examples(n)`, a property test's count per profile); the
 `fresh` fixture below resets whichever `stack` fixture the suite defines."""
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import settings
+
+# Registers the `unit` Hypothesis profile (`make unit` passes --hypothesis-profile unit).
+import tests.hypothesis_budget  # noqa: F401
 
 if TYPE_CHECKING:
     from pdproc_sim.devstack import Stack

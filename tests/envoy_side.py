@@ -7,7 +7,9 @@ the client itself)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +26,7 @@ from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc._proto.google.protobuf.struct_pb2 import Struct
 from tests.metric_samples import sample_sum
+from tests.waiting import eventually_async
 
 if TYPE_CHECKING:
     from pdproc.server import Server
@@ -351,3 +354,24 @@ class Pdproc:
         self.stopped = True
         await self.channel.close()
         return await self.server.stop(**kw)
+
+    @contextlib.asynccontextmanager
+    async def lame_duck(self, drain_timeout_s: float, within_s: float) -> AsyncIterator[None]:
+        """`Server.stop()` begun (NOT_SERVING, draining, still serving new streams) for as
+        long as the block runs; then the stop goes on to its drain and must end within
+        `within_s`. The block, not a timer, ends the lame duck: no test waits one out."""
+        self.stopped = True
+        stopping = asyncio.create_task(
+            self.server.stop(drain_timeout_s=drain_timeout_s, lame_duck_s=3600)
+        )
+        try:
+            await eventually_async(lambda: self.service.draining)
+            yield
+        finally:
+            stopping.cancel()
+            await asyncio.wait([stopping])
+            if not stopping.cancelled():
+                stopping.result()  # the stop failed before its lame duck: raise why
+            await self.channel.close()
+            async with asyncio.timeout(within_s):
+                await self.server.stop(drain_timeout_s=drain_timeout_s)

@@ -99,14 +99,20 @@ async def test_pdproc_out_of_descriptors_is_not_the_pods_fault(
             await recv(call, timeout_s=30)
             await call.write(body_msg(CHAT))
             await recv(call, timeout_s=30)
-        # The prefills beyond the limit failed at once: their streams were aborted.
-        aborts = await asyncio.gather(*(_abort_of(c) for c in calls))
-        refused = [status for status in aborts if status is not None]
+        # The prefills beyond the limit failed at once: their streams were aborted. Every
+        # other prefill is held by the pod, so once each request is one or the other no
+        # abort is still to come (no fixed wait for answers that never come).
+        reads = [asyncio.ensure_future(_abort_of(c)) for c in calls]
+        await eventually_async(lambda: _all_settled(reads, prefill), timeout_s=30)
+        refused = [status for status in map(_status_of, reads) if status is not None]
+        # The held requests go away while their prefills still hang, which gives pdproc its
+        # descriptors back (a prefill that ended instead would keep its pooled connection).
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)
         assert refused, "no prefill ran out of descriptors"
         assert set(refused) == {503}
         await _faults(prefill, prefill_hang=False)
-        for call in calls:
-            call.cancel()
         page = Page(await _scrape_when_possible(metrics_port))
         assert page.sample("pdproc_prefills_total", outcome="exhausted") == len(refused)
         assert page.sample("pdproc_prefills_total", outcome="connect_error") == 0
@@ -174,15 +180,21 @@ async def _scrape_when_possible(metrics_port: int) -> str:
 
 
 async def _abort_of(call: Any) -> int | None:
-    """The status of an unsolicited immediate response on `call`, None if none comes."""
-    try:
-        async with asyncio.timeout(3):
-            answer = await call.read()
-    except TimeoutError:
-        return None
+    """The status of an unsolicited immediate response on `call`, None for anything else."""
+    answer = await call.read()
     if answer is grpc.aio.EOF or not answer.HasField("immediate_response"):
         return None
     return int(answer.immediate_response.status.code)
+
+
+def _all_settled(reads: list[asyncio.Future[int | None]], prefill: RunningPrefill) -> bool:
+    """Every request has either had its answer or has its prefill held by the pod."""
+    return sum(read.done() for read in reads) + prefill.state.in_flight >= len(reads)
+
+
+def _status_of(read: asyncio.Future[int | None]) -> int | None:
+    """The abort `read` saw, None if nothing came (yet: its prefill is held)."""
+    return read.result() if read.done() else None
 
 
 async def _faults(prefill: RunningPrefill, **faults: Any) -> None:

@@ -16,10 +16,13 @@ def test_serve_logs_where_spans_go_at_start(tmp_path: Path) -> None:
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",  # nothing listens: never sent
     }
+    argv = [str(pdproc), "serve", "--listen", "127.0.0.1:0", "--trace-flush-timeout", "0"]
+    # No lame duck at the end: the test is over once the line shows.
+    argv += ["--shutdown-delay", "0"]
     log = tmp_path / "stderr"
     with log.open("w") as err:
         proc = subprocess.Popen(
-            [str(pdproc), "serve", "--listen", "127.0.0.1:0", "--trace-flush-timeout", "0"],
+            argv,
             stdout=subprocess.DEVNULL,
             stderr=err,
             env=env,

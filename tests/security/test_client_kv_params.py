@@ -11,7 +11,6 @@ elsewhere.)
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import time
 from typing import Any
@@ -20,7 +19,6 @@ import pytest
 from pdproc_sim.devstack import Stack, http_get, running_stack
 
 from tests.stacks import records, served
-from tests.waiting import eventually_async
 
 from .conftest import CHAT_BYTES, SECONDS, SIM_ARGS, Pd, metric, send
 from .pods import HostilePod
@@ -83,10 +81,7 @@ async def test_client_kv_transfer_params_get_400_while_draining(
     """After `Server.stop()` begins (NOT_SERVING, still serving for its lame-duck time),
     new P/D requests are served by the decode alone, and their bodies are still checked."""
     pd: Pd = await make_pdproc(pod)
-    pd.stopped = True
-    stopping = asyncio.create_task(pd.server.stop(drain_timeout_s=5, lame_duck_s=3))
-    try:
-        await eventually_async(lambda: pd.service.draining)
+    async with pd.lame_duck(drain_timeout_s=5, within_s=SECONDS):
         for body in SPELLINGS.values():
             for prefill in (pod.address, None):
                 outcome = await pd.play(body, prefill=prefill)
@@ -97,10 +92,6 @@ async def test_client_kv_transfer_params_get_400_while_draining(
         assert normal.status == 200
         assert normal.decode_body == CHAT_BYTES  # decode-only: the client's bytes, no params
         assert pod.total_hits == 0  # no prefill, no bootstrap query while draining
-    finally:
-        await pd.channel.close()
-        async with asyncio.timeout(SECONDS):
-            await stopping
 
 
 @pytest.mark.e2e

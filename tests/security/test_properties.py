@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from pdproc.server import Server
 from tests.envoy_side import Outcome
+from tests.hypothesis_budget import examples
 
 from .conftest import CHAT_BYTES, Pd, pd_settings
 from .pods import HostilePod
@@ -40,7 +41,7 @@ from .strategies import (
 )
 
 PROPERTY = settings(
-    max_examples=150,
+    max_examples=examples(150),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -175,7 +176,7 @@ def header_cases(draw: st.DrawFn, pod_port: int) -> tuple[bytes | str, bool]:
 
 
 def test_any_prefiller_header_gets_400_403_or_a_valid_answer(bg: Background) -> None:
-    @settings(PROPERTY, max_examples=250)
+    @settings(PROPERTY, max_examples=examples(250))
     @given(case=header_cases(bg.pod.port))
     @example(case=(b"10.0.0.1:80\xb2", False))
     @example(case=("10.0.0.1:80\u00b2", True))

@@ -13,7 +13,6 @@ The kv guard's side (pdproc down) is `tests/e2e/test_edge_security.py` and
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,7 +21,6 @@ import pytest
 
 from pdproc.config import BootstrapPolicy, KvConnector
 from pdproc.gateway_fields import GATEWAY_FIELDS
-from tests.waiting import eventually_async
 
 from .conftest import CHAT, SECONDS, Pd
 from .pods import HostilePod
@@ -108,18 +106,11 @@ async def test_every_connectors_fields_are_refused_while_draining(
     pod: HostilePod, make_pdproc: Callable[..., Awaitable[Pd]], connector: KvConnector
 ) -> None:
     pd = await make_pdproc(pod, kv_connector=connector)
-    pd.stopped = True
-    stopping = asyncio.create_task(pd.server.stop(drain_timeout_s=5, lame_duck_s=3))
-    try:
-        await eventually_async(lambda: pd.service.draining)
+    async with pd.lame_duck(drain_timeout_s=5, within_s=SECONDS):
         for field in GATEWAY_FIELDS:
             for prefill in (pod.address, None):
                 await refused(pd, hostile_body(field), prefill)
         assert pod.total_hits == 0
-    finally:
-        await pd.channel.close()
-        async with asyncio.timeout(SECONDS):
-            await stopping
 
 
 async def test_sglang_override_headers_never_reach_the_prefill(

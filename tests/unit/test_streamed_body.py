@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from pdproc.request_body import BodyError, members
 from pdproc.streamed_body import TAIL, StreamedBody, parse_content_length
+from tests.hypothesis_budget import examples
 
 KV = {"kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "xfer-1"}}
 
@@ -301,7 +302,7 @@ def streamed_case(
     return original, raw, chunks, fields
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(case=streamed_case())
 def test_streamed_chunks_and_tail_make_the_rewritten_body(
     case: tuple[dict[str, Any], bytes, list[bytes], dict[str, Any]],
