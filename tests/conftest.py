@@ -20,18 +20,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from hypothesis import settings
 
-# Registers the `unit` Hypothesis profile (`make unit` passes --hypothesis-profile unit).
+# Registers the Hypothesis profiles: `pdproc` (loaded: no deadline) and `unit` (`make unit`
+# passes --hypothesis-profile unit).
 import tests.hypothesis_budget  # noqa: F401
 
 if TYPE_CHECKING:
     from pdproc_sim.devstack import Stack
 
-# No timing assertions, hypothesis' per-example deadline included: on a shared box a slow
-# example is the machine, not a bug (bodies of several MiB are generated on purpose).
-settings.register_profile("pdproc", deadline=None)
-settings.load_profile("pdproc")
 
 INSTALLED = os.environ.get("PDPROC_TEST_INSTALLED") == "1"
 # Import package -> distribution that must provide it from site-packages.

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from hypothesis import settings
 
-settings.register_profile("unit", max_examples=34)
+# No timing assertions, Hypothesis' per-example deadline included: on a shared box a slow
+# example is the machine, not a bug (bodies of several MiB are generated on purpose).
+settings.register_profile("pdproc", deadline=None)
+settings.register_profile("unit", parent=settings.get_profile("pdproc"), max_examples=34)
+settings.load_profile("pdproc")
 
 
 def examples(n: int) -> int:
