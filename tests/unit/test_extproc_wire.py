@@ -108,6 +108,7 @@ def test_a_body_is_read_where_grpc_received_it() -> None:
     body = read.request_body
     assert body.view.obj is data
     assert len(body) == 70_000
+    assert repr(body) == "Body(70000 bytes, end_of_stream=False)"  # never the bytes in logs
     assert body.body == b"x" * 70_000
     assert body.body is body.body
     assert body.view.obj is body.body  # the message is no longer held
