@@ -1,10 +1,12 @@
 """The in-flight byte budget (--max-inflight-bytes): request-body bytes this process holds.
 
 It bounds memory, so it counts bytes pdproc really holds, never bytes a client only
-announced. A buffered body is counted while it is processed (Envoy hands it over whole). A
-streamed body (pdproc.streamed_body) is counted chunk by chunk, as its bytes arrive, and
-until its end: a client that announces a large content-length and then sends nothing holds
-nothing, so it cannot turn P/D off for everyone else (issue 19, item 1).
+announced, and until pdproc lets go of them. A buffered body is counted while it is
+processed (Envoy hands it over whole). A streamed body (pdproc.streamed_body) is counted
+chunk by chunk, as its bytes arrive, and until its end: a client that announces a large
+content-length and then sends nothing holds nothing, so it cannot turn P/D off for everyone
+else. Either stays counted until the prefill pod has read its prefill leg (views of it), so a
+pod slow to read cannot make pdproc hold more than the budget.
 
 The bound is on the sum. A single body larger than the budget is still admitted while
 nothing else is held (bounding one body is --max-body-bytes' job).

@@ -120,9 +120,10 @@ class _SentOnce(aiohttp.Payload):
     held for the rest of the prefill (POST is never re-sent by aiohttp, so nothing writes it
     twice)."""
 
-    def __init__(self, body: Pieces) -> None:
+    def __init__(self, body: Pieces, sent: asyncio.Future[None]) -> None:
         super().__init__(body.parts, content_type="application/json")
         self._size = len(body)
+        self._sent = sent
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         return b"".join(self._value).decode(encoding, errors)
@@ -140,8 +141,16 @@ class _SentOnce(aiohttp.Payload):
             send_headers()
         parts, self._value = list(self._value), ()
         parts.reverse()
-        while parts:
-            await writer.write(parts.pop())
+        try:
+            while parts:
+                await writer.write(parts.pop())
+        finally:
+            _resolve(self._sent)
+
+
+def _resolve(sent: asyncio.Future[None]) -> None:
+    if not sent.done():
+        sent.set_result(None)
 
 
 @dataclass(slots=True)
@@ -158,6 +167,9 @@ class PrefillJob:
     task: asyncio.Task[None] | None = None  # the whole exchange (bounded read included)
     span: Span | None = None
     log_fields: dict[str, Any] = field(default_factory=dict)
+    # Resolved once the prefill body is written to the pod, or can no longer be (the
+    # exchange ended first): until then its pieces, views of the client's body, are held.
+    body_sent: asyncio.Future[None] | None = None
 
 
 OutcomeHook = Callable[[PrefillJob, PrefillOutcome], None]
@@ -221,7 +233,8 @@ class PrefillLauncher:
             for key, value in legs.facts.items():
                 span.set_attribute(f"pdproc.{key}", value)
             self._tracing.inject(span, headers)
-        body = _SentOnce(legs.prefill_body)
+        sent: asyncio.Future[None] = loop.create_future()
+        body = _SentOnce(legs.prefill_body, sent)
         job = PrefillJob(
             target,
             replace(legs, prefill_body=Pieces(()), decode_body=None),
@@ -232,6 +245,7 @@ class PrefillLauncher:
             keep_answer=keep_answer,
             span=span,
             log_fields={**(log_fields or {}), **trace_fields(parent_span)},
+            body_sent=sent,
         )
         self._per_target[target] += 1
         if legs.rank is not None:
@@ -248,6 +262,8 @@ class PrefillLauncher:
 
     def _ended(self, job: PrefillJob, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
+        if job.body_sent is not None:
+            _resolve(job.body_sent)
         if not job.outcome.done():
             # Cancelled before its first step (the stream ended in the loop turn that
             # launched it): the exchange never ran to settle it, so it is settled here.

@@ -649,8 +649,20 @@ class ConcurrentPair(Disaggregated):
             )
             answer = msg.last_chunk_response(tail)
         job = self._launch(legs, request, keep_answer=False)
+        self._held_until_sent(job, len(request.raw))
         job.outcome.add_done_callback(self._prefill_done)
         return answer
+
+    def _held_until_sent(self, job: PrefillJob, size: int) -> None:
+        """The client's body stays counted against --max-inflight-bytes until the prefill
+        body (views of it) is written to the pod: a pod slow to read must not let pdproc
+        hold more than the budget says."""
+        sent = job.body_sent
+        if sent is None or sent.done():
+            return
+        sending = self._deps.budget.holding()
+        sending.keep(size)
+        sent.add_done_callback(lambda _: sending.release())
 
     def _prefill_done(self, outcome: asyncio.Future[PrefillOutcome]) -> None:
         """Count a failure (and abort the request at once if the decode has not answered);

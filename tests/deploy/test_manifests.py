@@ -172,9 +172,9 @@ MUTATIONS = [
     Mutation(
         "inflight-bytes-past-the-memory-limit",
         "deploy/kubernetes/base/deployment.yaml",
-        'value: "603979776"',
-        'value: "671088640"',
-        "PDPROC_MAX_INFLIGHT_BYTES 671088640 exceeds (memory limit 2Gi - 256Mi) / 3",
+        'value: "469762048"',
+        'value: "536870912"',
+        "PDPROC_MAX_INFLIGHT_BYTES 536870912 exceeds (memory limit 2Gi - 256Mi) / 4",
     ),
     Mutation(
         "pdb-min-available",

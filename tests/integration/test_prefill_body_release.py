@@ -59,6 +59,9 @@ async def test_the_prefill_body_is_let_go_once_sent_while_the_pod_computes() -> 
             assert bytes(job.legs.prefill_body) == b""
             assert job.legs.decode_body is None
             assert not job.outcome.done()
+            # What lets the client's body leave the in-flight byte budget.
+            assert job.body_sent is not None
+            assert job.body_sent.done()
             answer.set()
             outcome = await asyncio.wait_for(asyncio.shield(job.outcome), 30)
             assert outcome.ok

@@ -79,6 +79,8 @@ class FakeLauncher:
 
     def __init__(self) -> None:
         self.jobs: list[PrefillJob] = []
+        # False: each job's prefill body stays unsent until the test resolves `body_sent`.
+        self.sends_at_once = True
 
     def in_flight_by_rank(self, target: HostPort) -> Mapping[int, int]:
         return {}
@@ -104,7 +106,10 @@ class FakeLauncher:
             loop.create_future(),
             keep_answer=keep_answer,
             log_fields=dict(log_fields or {}),
+            body_sent=loop.create_future(),
         )
+        if self.sends_at_once:
+            job.body_sent.set_result(None)  # type: ignore[union-attr]
         job.task = loop.create_task(self._exchange(job))
         self.jobs.append(job)
         return job

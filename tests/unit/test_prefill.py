@@ -37,6 +37,8 @@ async def test_a_prefill_cancelled_before_it_started_is_counted_and_forgotten() 
             outcome = await job.outcome
         await asyncio.sleep(0)  # the outcome's callbacks
     assert outcome.outcome is PrefillResult.CANCELLED
+    assert job.body_sent is not None
+    assert job.body_sent.done()  # never sent: nothing held
     assert launcher.in_flight(POD) == 0
     assert launcher.in_flight_by_rank(POD) == {}
     assert metrics.prefills.labels("cancelled")._value.get() == 1

@@ -437,6 +437,36 @@ async def test_nothing_streams_with_streaming_off() -> None:
     assert await streamed(world).request_headers() is msg.CONTINUE_REQUEST_HEADERS
 
 
+async def test_a_body_stays_counted_until_the_prefill_pod_has_it() -> None:
+    """The prefill body is views of the client's body: a pod slow to read it keeps it
+    counted against --max-inflight-bytes, so the budget bounds what pdproc really holds."""
+    world = streaming_world()
+    world.launcher.sends_at_once = False
+    processor = streamed(world)
+    assert await processor.request_headers() is msg.STREAMED_HEADERS
+    first, last = chunks()
+    await processor.request_body(first)
+    assert isinstance(await processor.request_body(last), msg.Response)
+    assert world.budget.held == len(first.body) + len(last.body)  # sent on, not to the pod
+    sent = world.launcher.job.body_sent
+    assert sent is not None
+    sent.set_result(None)
+    await asyncio.sleep(0)  # its callbacks run
+    assert world.budget.held == 0
+
+
+async def test_a_buffered_body_stays_counted_until_the_prefill_pod_has_it(world: World) -> None:
+    world.launcher.sends_at_once = False
+    answer = await concurrent(world).request_body(body())
+    assert isinstance(answer, msg.Response)
+    assert world.budget.held == len(CHAT_BYTES)
+    sent = world.launcher.job.body_sent
+    assert sent is not None
+    sent.set_result(None)
+    await asyncio.sleep(0)
+    assert world.budget.held == 0
+
+
 async def test_a_full_budget_refuses_a_streamed_body_at_its_headers() -> None:
     world = streaming_world()
     world.budget.take(world.budget.limit)
