@@ -79,9 +79,9 @@ class StreamedBody:
             self._first = None
 
     def whole(self) -> ClientBytes:
-        """The client's body as it arrived (after the last chunk), once (a body that came in
-        one chunk is that chunk, not a copy). Never resized afterwards: the parsed members
-        are views of it."""
+        """The client's body as it arrived (after the last chunk), once: the gathered buffer,
+        or a body that came in one chunk as bytes (copied only if it was a view). Never
+        resized afterwards: the parsed members are views of it."""
         first, buffer = self._first, self._buffer
         self._first = self._buffer = None
         if buffer is not None:

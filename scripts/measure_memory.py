@@ -18,20 +18,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import threading
 import time
 
 import httpx
 import orjson
-from pdproc_sim.devstack import running_stack
-
-
-def resident_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+from pdproc_sim.devstack import PeakMemory, resident_bytes, running_stack
 
 
 def measure(connector: str, mib: int, conc: int) -> None:
@@ -49,26 +40,18 @@ def measure(connector: str, mib: int, conc: int) -> None:
         with httpx.Client(timeout=60) as client:  # warm up: connections, caches, imports
             client.post(url, json={"model": "sim-model", "max_tokens": 2, "prompt": "x"})
         time.sleep(0.5)
-        idle = peak = resident_bytes(pid)
-        done = threading.Event()
-
-        def sample() -> None:
-            nonlocal peak
-            while not done.is_set():
-                peak = max(peak, resident_bytes(pid))
-                time.sleep(0.02)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
+        idle = resident_bytes(pid)
 
         def one(_: int) -> int:
             with httpx.Client(timeout=120) as client:
                 return client.post(url, content=body, headers=headers).status_code
 
-        with concurrent.futures.ThreadPoolExecutor(conc) as pool:
+        with (
+            PeakMemory(pid, every_s=0.02) as memory,
+            concurrent.futures.ThreadPoolExecutor(conc) as pool,
+        ):
             codes = sorted(set(pool.map(one, range(conc))))
-        done.set()
-        sampler.join()
+        peak = memory.peak
         held = len(body) * conc / 2**20
         grown = (peak - idle) / 2**20
         print(

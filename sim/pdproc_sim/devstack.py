@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -99,6 +100,42 @@ def envoy_version_of(binary: str) -> tuple[int, int] | None:
         return parse_envoy_version(answer.stdout)
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
+
+
+def resident_bytes(pid: int) -> int:
+    """A process's resident memory (VmRSS), bytes; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        pass
+    return 0
+
+
+class PeakMemory:
+    """The largest resident memory of a process while the `with` block runs, sampled every
+    `every_s` seconds from a thread."""
+
+    def __init__(self, pid: int, every_s: float = 0.01) -> None:
+        self.pid = pid
+        self.peak = resident_bytes(pid)
+        self._every_s = every_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.wait(self._every_s):
+            self.peak = max(self.peak, resident_bytes(self.pid))
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def wait_for(check: Any, what: str, timeout_s: float = 30.0, proc: Process | None = None) -> None:

@@ -10,14 +10,13 @@ body that leaves the budget while pdproc still holds it, or a copy too many, bre
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import orjson
 import pytest
-from pdproc_sim.devstack import running_stack
+from pdproc_sim.devstack import PeakMemory, resident_bytes, running_stack
 
 MiB = 1 << 20
 BUDGET = 48 * MiB
@@ -25,36 +24,6 @@ BODY_MIB = 4
 CLIENTS = 24  # 96 MiB offered against the 48 MiB budget
 # The base Deployment's planning factor (deploy/tools/deploycheck/checks.py).
 PLANNED_FACTOR = 4
-
-
-def resident_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class PeakMemory:
-    """The largest resident size of a process while the block runs, sampled every 10 ms."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.peak = resident_bytes(pid)
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._done.wait(0.01):
-            self.peak = max(self.peak, resident_bytes(self.pid))
-
-    def __enter__(self) -> PeakMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._done.set()
-        self._thread.join()
 
 
 def long_prompt() -> bytes:
