@@ -104,7 +104,7 @@ class Server:
             log_bodies=s.log_bodies,
             on_outcome=pod_feedback(breakers, engines),
         )
-        self._dns = DnsPool(s.prefill_dns, s.dns_refresh) if s.prefill_dns else None
+        self._dns = self._dns_pool()
         if self._dns is not None:
             await self._dns.start()
         service = ExtProcService(
@@ -119,6 +119,13 @@ class Server:
         )
         self._breaker_sweep = asyncio.get_running_loop().create_task(_sweep(breakers))
         return service
+
+    def _dns_pool(self) -> DnsPool | None:
+        s = self.settings
+        if not s.prefill_dns:
+            return None
+        lookups = self.metrics.dns_lookups
+        return DnsPool(s.prefill_dns, s.dns_refresh, on_lookup=lambda o: lookups.labels(o).inc())
 
     async def start(self) -> None:
         s = self.settings
