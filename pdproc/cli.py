@@ -121,7 +121,15 @@ def load_config_file(path: str | None) -> dict[str, Any]:
 
 # serve --help: the settings in groups (a setting not listed here lands in the last group).
 SETTING_GROUPS: dict[str, tuple[str, ...]] = {
-    "listening and TLS": ("listen", "tls_cert", "tls_key", "tls_client_ca", "workers"),
+    "listening and TLS": (
+        "listen",
+        "tls_cert",
+        "tls_key",
+        "tls_client_ca",
+        "tls_reload",
+        "tls_max_connection_age",
+        "workers",
+    ),
     "prefill targets": (
         "prefill",
         "prefill_dns",
@@ -277,6 +285,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
+def _check_tls_files(settings: Settings) -> None:
+    """Unusable --tls-* files stop the start here (BadTlsFiles, OSError), not in a worker."""
+    from pdproc.tls_reload import TlsFiles, parse_material
+
+    if settings.tls_cert is not None and settings.tls_key is not None:
+        parse_material(
+            *TlsFiles(settings.tls_cert, settings.tls_key, settings.tls_client_ca).read()
+        )
+
+
 def _serve(args: argparse.Namespace) -> int:
     from pdproc.logs import setup_logging
     from pdproc.server import run
@@ -286,6 +304,7 @@ def _serve(args: argparse.Namespace) -> int:
         settings = resolve(args, os.environ, load_config_file(args.config))
         tracer_provider = provider_from_env()
         propagator_from_env()  # an unknown OTEL_PROPAGATORS name stops here, not in a worker
+        _check_tls_files(settings)
     except (ConfigError, OSError, ValueError) as exc:
         print(f"pdproc serve: {exc}", file=sys.stderr)
         return 2

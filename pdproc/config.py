@@ -313,6 +313,18 @@ class Settings:
     tls_client_ca: str | None = _setting(
         None, "PEM CA bundle: require and verify client certificates (mTLS)."
     )
+    tls_reload: float = _setting(
+        5.0,
+        "Seconds between checks of the --tls-* files: changed files that load are served "
+        "from the next handshake on (a rotated Secret), others keep the previous ones.",
+        _positive,
+    )
+    tls_max_connection_age: float = _setting(
+        300.0,
+        "With TLS, seconds after which a connection is asked to go away (in-flight streams "
+        "finish): bounds how long a rotated-away client CA or certificate stays in use.",
+        _positive,
+    )
     workers: int = _setting(
         0,
         "Processes sharing the listen port (SO_REUSEPORT). 0: one per CPU the process may "

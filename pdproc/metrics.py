@@ -37,6 +37,7 @@ from prometheus_client.registry import Collector
 from pdproc import __version__
 from pdproc.outcomes import PREFILL_OUTCOMES, REQUEST_OUTCOMES
 from pdproc.targets import HostPort
+from pdproc.tls_reload import TlsMaterial
 
 # `_created` series double the number of counter series and nobody graphs them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -179,12 +180,37 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.tls_expiry = Gauge(
+            "pdproc_tls_certificate_expiry_timestamp_seconds",
+            "Not-after time (Unix seconds) of the certificate served on the ext_proc port "
+            "(certificate=served) and the earliest of the --tls-client-ca bundle "
+            "(certificate=client_ca).",
+            ["certificate"],
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.tls_reloads = Counter(
+            "pdproc_tls_reloads",
+            "Changed --tls-* files, by outcome (ok: served from the next handshake; error: "
+            "rejected, the previous ones kept).",
+            ["outcome"],
+            registry=r,
+        )
         self.streams_active = Gauge(
             "pdproc_streams_active",
             "ext_proc streams currently open.",
             registry=r,
             multiprocess_mode="livesum",
         )
+
+    def tls_loaded(self, outcome: str, served: TlsMaterial) -> None:
+        """A TLS files check: `start`, `ok` (reloaded) or `error` (rejected); `served` is
+        what the next handshakes get."""
+        if outcome != "start":
+            self.tls_reloads.labels(outcome).inc()
+        self.tls_expiry.labels("served").set(served.not_after)
+        if served.client_ca_not_after is not None:
+            self.tls_expiry.labels("client_ca").set(served.client_ca_not_after)
 
     def _label(self, target: HostPort, in_use: int) -> str:
         """The label of a target's series: its own while under the bound, else `other`."""

@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import threading
-from pathlib import Path
 
 import aiohttp
 import grpc
@@ -36,6 +35,7 @@ from pdproc.prefill import PrefillLauncher
 from pdproc.service import ExtProcService, pod_feedback
 from pdproc.targets import AllowList, HostPort
 from pdproc.telemetry import Tracing
+from pdproc.tls_reload import TlsFiles, TlsReloader
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class Server:
         self._web: web.AppRunner | None = None
         self.service: ExtProcService | None = None
         self._dns: DnsPool | None = None
+        self._tls: TlsReloader | None = None
         self._breaker_sweep: asyncio.Task[None] | None = None
 
     async def _new_service(self, client: aiohttp.ClientSession) -> ExtProcService:
@@ -127,6 +128,15 @@ class Server:
         lookups = self.metrics.dns_lookups
         return DnsPool(s.prefill_dns, s.dns_refresh, on_lookup=lambda o: lookups.labels(o).inc())
 
+    def _tls_reloader(self) -> TlsReloader | None:
+        """TLS on the ext_proc port, its files re-read while serving (tls_reload.py); with a
+        client CA, Envoy must present a certificate it signed (mTLS)."""
+        s = self.settings
+        if s.tls_cert is None or s.tls_key is None:
+            return None
+        files = TlsFiles(s.tls_cert, s.tls_key, s.tls_client_ca)
+        return TlsReloader(files, s.tls_reload, self.metrics.tls_loaded)
+
     async def start(self) -> None:
         s = self.settings
         self._client = new_session(s.max_prefill_connections)
@@ -139,13 +149,17 @@ class Server:
                 ("grpc.max_send_message_length", s.grpc_max_message_bytes),
                 ("grpc.so_reuseport", int(self._share_ports)),
                 *limits.grpc_options(),
+                *_tls_options(s),
             ]
         )
         _add_ext_proc(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         listen = str(s.listen)
-        self.port = _bind(server, listen, _server_credentials(s))
+        self._tls = self._tls_reloader()
+        self.port = _bind(server, listen, self._tls.credentials() if self._tls else None)
         await server.start()
+        if self._tls is not None:
+            self._tls.start()
         self._server = server
         for name in ("", EXT_PROC_SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -232,6 +246,8 @@ class Server:
         metrics endpoint, and the spans still queued."""
         if self._dns is not None:
             await self._dns.stop()
+        if self._tls is not None:
+            await self._tls.stop()
         if self._breaker_sweep is not None:
             self._breaker_sweep.cancel()
         if self._client is not None:
@@ -351,19 +367,12 @@ def _bound_port(runner: web.AppRunner, asked: int) -> int:
     return asked
 
 
-def _server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
-    """TLS for the ext_proc port; with a client CA, Envoy must present a certificate it
-    signed (mTLS)."""
-    if settings.tls_cert is None or settings.tls_key is None:
-        return None
-    key = Path(settings.tls_key).read_bytes()
-    chain = Path(settings.tls_cert).read_bytes()
-    client_ca = Path(settings.tls_client_ca).read_bytes() if settings.tls_client_ca else None
-    return grpc.ssl_server_credentials(
-        [(key, chain)],
-        root_certificates=client_ca,
-        require_client_auth=client_ca is not None,
-    )
+def _tls_options(s: Settings) -> list[tuple[str, int]]:
+    """With TLS, connections age out (gracefully: no grace limit, streams finish) so that
+    rotated files reach every connection, not only new ones."""
+    if s.tls_cert is None:
+        return []
+    return [("grpc.max_connection_age_ms", int(s.tls_max_connection_age * 1000))]
 
 
 def run(
