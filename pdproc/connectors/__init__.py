@@ -77,7 +77,7 @@ class OnFailure(Enum):
     connector's failed prefill always ends the request, its decode waiting for KV that
     will never come)."""
 
-    PASS_THROUGH = "pass_through"  # the prefill's own answer goes back as it is
+    PASS_THROUGH = "pass_through"  # the prefill's status (and JSON message) reach the client
     DECODE_ALONE = "decode_alone"  # the decode serves the original request alone
 
 

@@ -4,6 +4,7 @@ trailers follow, which no ordinary client lets it do."""
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 from collections.abc import Mapping
@@ -108,10 +109,8 @@ def _send_body(
 
 
 def _flush(sock: socket.socket, conn: h2.connection.H2Connection) -> None:
-    try:
+    with contextlib.suppress(OSError):  # Envoy answered and closed while the body went out
         sock.sendall(conn.data_to_send())
-    except OSError:
-        pass  # Envoy answered and closed while the body was still going out
 
 
 def _ended(answer: H2Answer) -> bool:

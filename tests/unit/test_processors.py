@@ -596,7 +596,7 @@ async def test_nixl_side_channel_the_gateway_admits_is_used(world: World) -> Non
     assert rewritten(await deferred.later)[KV]["remote_host"] == "10.9.9.9"
 
 
-async def test_nixl_prefill_refusing_the_request_answers_the_client_as_it_is(
+async def test_nixl_prefill_refusing_the_request_answers_its_status_and_message(
     world: World,
 ) -> None:
     deferred = await sequential(world).request_body(body())
@@ -612,7 +612,10 @@ async def test_nixl_prefill_refusing_the_request_answers_the_client_as_it_is(
     )
     answer = await deferred.later
     assert status(answer) == 400
-    assert answer.immediate_response.body == refusal
+    error = orjson.loads(answer.immediate_response.body)
+    assert error["type"] == "BadRequestError"
+    assert error["code"] == 400
+    assert "'context too long'" in error["message"]
     assert world.counted.only is Outcome.PREFILL_FAILED
 
 
