@@ -251,9 +251,10 @@ class Rejected(PassThrough):
 def checked_body(context: RequestContext, body: Body, max_bytes: int) -> ClientRequest | ErrorReply:
     """The checks every P/D-path body passes before anything is done with it."""
     if not body.end_of_stream:
-        # Only BUFFERED delivers the whole body at once; a partial body means it outgrew
-        # Envoy's buffer (BUFFERED_PARTIAL) and cannot be checked or rewritten.
-        return ErrorReply(ErrorKind.TOO_LARGE, "request body too large to buffer")
+        # BUFFERED sends a body not marked as the request's end only when trailers follow it
+        # (a body that outgrows the buffer gets Envoy's own 413). The rewritten body could
+        # not end the request, so trailers are refused, as for a streamed body.
+        return _TRAILERS
     raw = body.body
     if len(raw) > max_bytes:
         return ErrorReply(ErrorKind.TOO_LARGE, f"request body exceeds {max_bytes} bytes")
@@ -307,6 +308,7 @@ class Disaggregated:
         self._min_prompt = min_prompt
         self._job: PrefillJob | None = None
         self._response_seen = False
+        self._body_seen = False
         self._busy_s = 0.0
         # Body bytes the request goes on holding against --max-inflight-bytes after its body
         # message was answered (pdproc.budget): a streamed body's chunks as they arrive, or
@@ -329,6 +331,7 @@ class Disaggregated:
         return msg.CONTINUE_REQUEST_HEADERS
 
     async def request_body(self, body: Body) -> Answer:
+        self._body_seen = True
         with self._deps.budget.hold(len(body)) as admitted:
             if not admitted:
                 return self.context.reject(_OVERLOADED)
@@ -341,7 +344,11 @@ class Disaggregated:
             return await self._pair(checked, None)
 
     def request_trailers(self) -> Answer:
-        return msg.CONTINUE_REQUEST_TRAILERS
+        if self._body_seen or self.context.finished:
+            return msg.CONTINUE_REQUEST_TRAILERS  # a body with trailers was refused already
+        # Trailers with no body before them: refused like trailers after a body, rather
+        # than reaching the decode unchecked and uncounted.
+        return self.context.reject(_TRAILERS)
 
     async def _pair(self, request: ClientRequest, streamed: StreamedBody | None) -> Answer:
         """The body is known: the engine map (if the connector needs one), the legs, the
@@ -627,7 +634,7 @@ class ConcurrentPair(Disaggregated):
         if self._streamed is not None and not self.context.finished:
             # Only a chunk marked as the body's last can carry its rewritten end.
             return self._stream_refused(_TRAILERS)
-        return msg.CONTINUE_REQUEST_TRAILERS
+        return super().request_trailers()
 
     def _launch_legs(
         self,

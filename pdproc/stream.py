@@ -142,14 +142,25 @@ class Stream:
                 return msg.CONTINUE_RESPONSE_HEADERS
             return self._processor.response_headers(message.response_headers)
         if kind == "request_trailers":
-            if self._processor is None or self.phase is not Phase.REQUEST_BODY:
-                return msg.CONTINUE_REQUEST_TRAILERS
-            self.phase = Phase.RESPONSE_HEADERS
-            return self._processor.request_trailers()
+            return self._request_trailers(message)
         if kind in msg.CONTINUE:
             return msg.CONTINUE[kind]
         log.warning("unexpected ext_proc message %r ignored", kind)
         return msg.CONTINUE_REQUEST_BODY
+
+    def _request_trailers(self, message: pb.ProcessingRequest) -> msg.Response | Deferred:
+        processor = self._processor
+        if processor is None and self.phase is Phase.REQUEST_HEADERS:
+            # Single-message mode, trailers and no body: the trailers are the first message,
+            # and carry the request's attributes.
+            attributes = msg.headers_from_attributes(message)
+            if attributes is not None:
+                processor = self._open(attributes, False, single_message=True)
+                self.phase = Phase.REQUEST_BODY
+        if processor is None or self.phase is not Phase.REQUEST_BODY:
+            return msg.CONTINUE_REQUEST_TRAILERS
+        self.phase = Phase.RESPONSE_HEADERS
+        return processor.request_trailers()
 
     async def _request_headers(self, headers: pb.HttpHeaders) -> msg.Response | Deferred:
         if self.phase is not Phase.REQUEST_HEADERS or self._processor is not None:

@@ -24,6 +24,7 @@ import pytest
 from pdproc_sim.devstack import Stack, running_stack
 
 from tests.envoy_side import CHAT_PATH
+from tests.stacks import records
 
 from .conftest import CHAT_BYTES, PDPROC_ARGS, SIM_ARGS, metric, send
 from .h2client import h2_post
@@ -128,3 +129,43 @@ def test_ordinary_data_frames_stream_the_body_through(h2_stack: Stack) -> None:
     assert answer.status == 200, answer.body[:300]
     assert metric(h2_stack, "pdproc_streamed_request_bodies_total") == streamed + 1
     assert metric(h2_stack, "pdproc_requests_total", outcome="pd") == pd + 1
+
+
+# -- request trailers ----------------------------------------------------------------------
+
+SMALL_BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":3}'
+OUTCOMES = ("bad_request", "too_large", "pd", "passthrough", "abandoned", "cancelled")
+
+
+@pytest.fixture(scope="module", params=["two-message", "single-message"])
+def mode_stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    options = {"single_message": request.param == "single-message"}
+    with running_stack(SIM_ARGS, PDPROC_ARGS, envoy_options=options, pool=True) as st:
+        yield st
+
+
+def outcome_counts(stack: Stack) -> dict[str, float]:
+    return {o: metric(stack, "pdproc_requests_total", outcome=o) for o in OUTCOMES}
+
+
+@pytest.mark.parametrize(
+    "body", [SMALL_BODY, b"", big_body()], ids=["small-body", "no-body", "streamed-body"]
+)
+def test_request_trailers_on_a_pd_path_are_a_400_counted_once(
+    mode_stack: Stack, body: bytes
+) -> None:
+    """Before: a small body with trailers was a 413 counted `too_large` (Envoy sends a body
+    followed by trailers without end_of_stream), and trailers with no body reached the
+    decode counted under no outcome. Now each is a 400, counted `bad_request` once, and
+    the decode gets nothing."""
+    mode_stack.sim_post("decode", "/sim/reset")
+    before = outcome_counts(mode_stack)
+    host, port = mode_stack.envoy.listen.host, mode_stack.envoy.listen.port
+    answer = h2_post(host, port, CHAT_PATH, body, trailers={"x-trailer": "1"})
+    assert answer.status == 400, answer.body[:300]
+    assert b"trailers are not supported" in answer.body
+    after = outcome_counts(mode_stack)
+    assert {o: after[o] - before[o] for o in OUTCOMES} == {
+        o: 1.0 if o == "bad_request" else 0.0 for o in OUTCOMES
+    }
+    assert records(mode_stack, "decode") == []

@@ -149,7 +149,8 @@ async def test_rejected_answers_its_error_at_headers_or_body(world: World) -> No
 @pytest.mark.parametrize(
     ("message", "kind"),
     [
-        (body(end_of_stream=False), ErrorKind.TOO_LARGE),
+        # BUFFERED: a body not marked as the end is followed by trailers, which are refused.
+        (body(end_of_stream=False), ErrorKind.BAD_REQUEST),
         (body(b"{" + b" " * 100 + b"}"), ErrorKind.TOO_LARGE),
         (body(b"[1]"), ErrorKind.BAD_REQUEST),
     ],
@@ -673,9 +674,12 @@ def test_prefill_errors_are_named_for_the_client() -> None:
     assert reply(PrefillResult.CONNECT_ERROR).kind is ErrorKind.PREFILL_FAILED
 
 
+async def test_trailers_with_no_body_before_them_are_refused(world: World) -> None:
+    assert status(concurrent(world).request_trailers()) == 400
+    assert [o for _, o in world.counted.outcomes] == [Outcome.BAD_REQUEST]
+
+
 async def test_what_comes_around_a_buffered_body_passes(world: World) -> None:
-    pair = concurrent(world)
-    assert pair.request_trailers() is msg.CONTINUE_REQUEST_TRAILERS
     nixl = sequential(world, min_prompt=len(CHAT_BYTES) + 1)
     await nixl.request_body(body())
     # Served alone (short prompt): no prefill to wait for.
