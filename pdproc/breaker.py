@@ -8,13 +8,15 @@ let through as a probe and the breaker stays shut to the others meanwhile; the p
 success closes it, its failure re-opens it. A probe whose outcome never comes just leads to
 another probe after the cooldown. Pure state machine with an injected clock.
 
-Only pods with failures have state, and at most `max_targets` of them (the least recently
-failing are forgotten, i.e. closed): targets can come from a header, so their number must
-not grow with what clients send. An open breaker nobody asked about for `max_cooldown_s`
-after its cooldown ended is forgotten too (`forget_unasked`): without requests there is no
-probe, so it says nothing about the pod any more (a worker process that stopped getting
-traffic would otherwise report its pod down for ever), and the next request is the probe it
-would have been.
+A target a request header names (not a pool member) is judged with its host: a client can
+name any port of an allowed host, and rotating ports must not keep a failing host's breaker
+closed. Only pods with failures have state, and at most `max_targets` of them (the least
+recently failing are forgotten, i.e. closed): targets can come from a header, so their
+number must not grow with what clients send. An open breaker nobody asked about for
+`max_cooldown_s` after its cooldown ended is forgotten too (`forget_unasked`): without
+requests there is no probe, so it says nothing about the pod any more (a worker process that
+stopped getting traffic would otherwise report its pod down for ever), and the next request
+is the probe it would have been.
 """
 
 from __future__ import annotations
@@ -60,7 +62,11 @@ class CircuitBreakers:
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[HostPort, bool], None] | None = None,
         max_targets: int = 1024,
+        key: Callable[[HostPort], HostPort] = lambda target: target,
     ) -> None:
+        """`key` says whose record a target's outcomes go to (a header-named target's: its
+        host's, whatever port was named)."""
+        self._key = key
         self._threshold = max(1, threshold)
         self._max_cooldown = max_cooldown_s
         self._clock = clock
@@ -90,7 +96,7 @@ class CircuitBreakers:
 
     def allow(self, target: HostPort) -> bool:
         """May a request use this target now? When half-open, only the first asker may."""
-        state = self._states.get(target)
+        state = self._states.get(self._key(target))
         if state is None or state.open_until is None:
             return True
         now = self._clock()
@@ -100,13 +106,14 @@ class CircuitBreakers:
         return True
 
     def is_open(self, target: HostPort) -> bool:
-        state = self._states.get(target)
+        state = self._states.get(self._key(target))
         return state is not None and state.open_until is not None
 
     def record(self, target: HostPort, verdict: Verdict) -> None:
         """Feed what a prefill or a bootstrap query said about the pod (pdproc.pod_verdict)."""
         if verdict is Verdict.NOT_THE_POD:
             return
+        target = self._key(target)
         state = self._states.get(target)
         if verdict.pod_is_up:
             if state is not None:

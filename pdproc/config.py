@@ -291,7 +291,17 @@ class Settings:
         2.0, "Seconds to keep serving after SIGTERM (NOT_SERVING).", _non_negative
     )
     max_prefill_connections: int = _setting(
-        1024, "Connection pool size for prefill requests.", _count
+        1024,
+        "Prefill connections pdproc keeps open at once; a prefill waits for a free one "
+        "(counted `exhausted`, never against the pod, when none frees within "
+        "--prefill-timeout).",
+        _count,
+    )
+    max_named_host_connections: int = _setting(
+        64,
+        "Of those, the most one host named by a request header (not a pool member) may "
+        "take; past it that host's prefills are `exhausted` at once.",
+        _count,
     )
     max_targets: int = _setting(
         1024,

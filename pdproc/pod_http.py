@@ -11,6 +11,9 @@ import errno
 import aiohttp
 
 _CHUNK = 64 * 1024
+# Connections beyond --max-prefill-connections for bootstrap queries and health probes, so
+# they do not make a prefill that holds one of its slots (pdproc.slots) wait in the pool.
+CONTROL_CONNECTIONS = 64
 # pdproc itself out of descriptors, buffers or memory: says nothing about the pod.
 _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -18,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pdproc import limits
+from pdproc import limits, pod_http
 from pdproc.breaker import CircuitBreakers
 from pdproc.config import KvConnector, Settings
 from pdproc.connectors import Connector
@@ -34,6 +35,7 @@ from pdproc.metrics import MULTIPROC_ENV, Metrics
 from pdproc.pod_http import new_session
 from pdproc.prefill import PrefillLauncher
 from pdproc.service import ExtProcService, pod_feedback
+from pdproc.slots import Slots
 from pdproc.targets import AllowList, HostPort
 from pdproc.telemetry import Tracing
 
@@ -90,11 +92,16 @@ class Server:
             tracing=self.tracing,
             siblings=_siblings(),
         )
+        self._dns = DnsPool(s.prefill_dns, s.dns_refresh) if s.prefill_dns else None
+        if self._dns is not None:
+            await self._dns.start()
+        is_member = _membership(s.prefill, self._dns)
         breakers = CircuitBreakers(
             s.breaker_failures,
             s.breaker_cooldown,
             on_change=self._breaker_changed,
             max_targets=s.max_targets,
+            key=lambda target: target if is_member(target) else HostPort(target.host, 0),
         )
         launcher = PrefillLauncher(
             client,
@@ -103,10 +110,9 @@ class Server:
             tracing=self.tracing,
             log_bodies=s.log_bodies,
             on_outcome=pod_feedback(breakers, engines),
+            slots=Slots(s.max_prefill_connections, s.max_named_host_connections),
+            named_host=lambda target: None if is_member(target) else target.host,
         )
-        self._dns = DnsPool(s.prefill_dns, s.dns_refresh) if s.prefill_dns else None
-        if self._dns is not None:
-            await self._dns.start()
         service = ExtProcService(
             s,
             connector_for(s),
@@ -122,7 +128,7 @@ class Server:
 
     async def start(self) -> None:
         s = self.settings
-        self._client = new_session(s.max_prefill_connections)
+        self._client = new_session(s.max_prefill_connections + pod_http.CONTROL_CONNECTIONS)
         self.service = await self._new_service(self._client)
         _warn_about_settings(s)
 
@@ -301,6 +307,16 @@ def _siblings() -> Siblings | None:
     directory the parent made."""
     shared = os.environ.get(MULTIPROC_ENV)
     return None if shared is None else Siblings(os.path.join(shared, "stale-engine-maps"))
+
+
+def _membership(static: tuple[HostPort, ...], dns: DnsPool | None) -> Callable[[HostPort], bool]:
+    """Whether a target is a pool member (the operator's), not only named by a header."""
+    members = frozenset(static)
+
+    def is_member(target: HostPort) -> bool:
+        return target in members or (dns is not None and target in dns.members)
+
+    return is_member
 
 
 async def _sweep(breakers: CircuitBreakers) -> None:
