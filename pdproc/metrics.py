@@ -141,6 +141,12 @@ class Metrics:
             ["when"],
             registry=r,
         )
+        self.reroutes = Counter(
+            "pdproc_bootstrap_reroutes",
+            "P/D requests moved to another prefill pool member because the chosen one's "
+            "bootstrap query failed before anything was sent to it.",
+            registry=r,
+        )
         self.processing_seconds = Histogram(
             "pdproc_request_processing_seconds",
             "Time spent inside the processor on the request path (headers + body messages).",
