@@ -150,6 +150,7 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
         "max_inflight_bytes",
         "max_prefill_connections",
         "max_named_host_connections",
+        "dead_peer_timeout",
         "max_targets",
         "breaker_failures",
         "breaker_cooldown",

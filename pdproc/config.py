@@ -290,6 +290,14 @@ class Settings:
     shutdown_delay: float = _setting(
         2.0, "Seconds to keep serving after SIGTERM (NOT_SERVING).", _non_negative
     )
+    dead_peer_timeout: float = _setting(
+        5.0,
+        "How long a prefill pod's node may leave what pdproc sent, or a keepalive probe, "
+        "unacknowledged before the pod is taken for dead (TCP_USER_TIMEOUT and TCP "
+        "keepalive on pod connections; a pod's compute never delays it), seconds; 0: no "
+        "bound.",
+        _non_negative,
+    )
     max_prefill_connections: int = _setting(
         1024,
         "Prefill connections pdproc keeps open at once; a prefill waits for a free one "

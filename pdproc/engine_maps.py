@@ -36,7 +36,7 @@ from opentelemetry.trace import Span, SpanKind
 from pdproc.connectors import EngineMap
 from pdproc.errors import shown
 from pdproc.metrics import Metrics
-from pdproc.pod_http import locally_exhausted, read_at_most
+from pdproc.pod_http import locally_exhausted, peer_gone, read_at_most
 from pdproc.pod_verdict import Verdict, of_bootstrap
 from pdproc.targets import HostPort
 from pdproc.telemetry import ATTR_CACHE, ATTR_ENGINES, ATTR_TARGET, Tracing, fail
@@ -278,14 +278,19 @@ class EngineMaps:
                 status = response.status
                 payload = await read_at_most(response.content, MAX_QUERY_BYTES)
         except TimeoutError:
-            raise BootstrapError(f"failed to query bootstrap endpoint {url}: timed out") from None
+            # No answer in --bootstrap-timeout: the pod cannot be used (the breaker opens
+            # at once, its probes find it back) whether its node or only its port is cut off.
+            raise BootstrapError(
+                f"failed to query bootstrap endpoint {url}: timed out",
+                of_bootstrap(reached=False, local=False),
+            ) from None
         except (aiohttp.ClientError, OSError) as exc:
             if locally_exhausted(exc):
                 raise BootstrapError(
                     f"pdproc is out of resources ({exc}): bootstrap endpoint {url} not queried",
                     of_bootstrap(reached=False, local=True),
                 ) from None
-            if isinstance(exc, aiohttp.ClientConnectorError):
+            if isinstance(exc, aiohttp.ClientConnectorError) or peer_gone(exc):
                 raise BootstrapError(
                     f"failed to query bootstrap endpoint {url}: {exc}",
                     of_bootstrap(reached=False, local=False),

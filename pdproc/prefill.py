@@ -25,7 +25,7 @@ from pdproc.connectors import Legs
 from pdproc.gateway_fields import GATEWAY_HEADERS
 from pdproc.metrics import Metrics
 from pdproc.outcomes import PrefillResult
-from pdproc.pod_http import discard, locally_exhausted, read_at_most
+from pdproc.pod_http import discard, locally_exhausted, peer_gone, read_at_most
 from pdproc.request_body import Pieces
 from pdproc.slots import Slots
 from pdproc.targets import PREFILL_HEADER, HostPort
@@ -301,6 +301,9 @@ class PrefillLauncher:
                 )
                 async with response:
                     await _read_answer(job, response, deadline)
+        except aiohttp.ConnectionTimeoutError as exc:
+            # No connection within its bound (a silent node): the pod is down, no timeout.
+            _settle(job, PrefillResult.CONNECT_ERROR, error=str(exc) or "connect timed out")
         except TimeoutError:
             _settle(job, PrefillResult.TIMEOUT, error=f"no answer in {self._timeout_s:g}s")
         except (aiohttp.ClientError, OSError) as exc:
@@ -432,6 +435,8 @@ def _client_failure(exc: aiohttp.ClientError | OSError) -> tuple[PrefillResult, 
         return PrefillResult.EXHAUSTED, f"pdproc is out of resources: {exc}"
     if isinstance(exc, aiohttp.ClientConnectorError):
         return PrefillResult.CONNECT_ERROR, str(exc)
+    if peer_gone(exc):
+        return PrefillResult.DEAD_PEER, f"the pod stopped acknowledging: {exc}"
     return PrefillResult.ERROR, type(exc).__name__
 
 

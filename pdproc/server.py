@@ -128,7 +128,9 @@ class Server:
 
     async def start(self) -> None:
         s = self.settings
-        self._client = new_session(s.max_prefill_connections + pod_http.CONTROL_CONNECTIONS)
+        self._client = new_session(
+            s.max_prefill_connections + pod_http.CONTROL_CONNECTIONS, s.dead_peer_timeout
+        )
         self.service = await self._new_service(self._client)
         _warn_about_settings(s)
 

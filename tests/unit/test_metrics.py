@@ -37,6 +37,7 @@ KNOWN_PREFILL_OUTCOMES = {
     "5xx",
     "timeout",
     "connect_error",
+    "dead_peer",
     "error",
     "cancelled",
     "exhausted",
