@@ -63,10 +63,14 @@ class CircuitBreakers:
         on_change: Callable[[HostPort, bool], None] | None = None,
         max_targets: int = 1024,
         key: Callable[[HostPort], HostPort] = lambda target: target,
+        probed: Callable[[HostPort], bool] = lambda target: False,
     ) -> None:
         """`key` says whose record a target's outcomes go to (a header-named target's: its
-        host's, whatever port was named)."""
+        host's, whatever port was named). An open breaker of a `probed` target (a pool
+        member) lets no client request through: pdproc probes it in the background
+        (`due`, then `record` the probe's verdict), so no client pays for a probe."""
         self._key = key
+        self._probed = probed
         self._threshold = max(1, threshold)
         self._max_cooldown = max_cooldown_s
         self._clock = clock
@@ -80,13 +84,14 @@ class CircuitBreakers:
             self._changed(target, False)
 
     def forget_unasked(self) -> None:
-        """Close the open breakers whose cooldown ended `max_cooldown_s` ago with no probe."""
+        """Close the open breakers whose cooldown ended `max_cooldown_s` ago with no probe
+        (a target probed in the background is always asked about)."""
         now = self._clock()
         for target in list(self._open):
             state = self._states.get(target)
             if state is None or state.open_until is None:
                 self._open.discard(target)
-            elif now - state.open_until > self._max_cooldown:
+            elif now - state.open_until > self._max_cooldown and not self._probed(target):
                 del self._states[target]
                 self._open.discard(target)
                 self._changed(target, False)
@@ -100,10 +105,24 @@ class CircuitBreakers:
         if state is None or state.open_until is None:
             return True
         now = self._clock()
-        if now < state.open_until:
+        if now < state.open_until or self._probed(target):
             return False
         state.open_until = now + state.cooldown_s
         return True
+
+    def due(self) -> list[HostPort]:
+        """The probed targets whose open breaker's cooldown ended: each is to be probed now,
+        and is not due again before another cooldown (a probe that never ends retries)."""
+        now = self._clock()
+        targets = []
+        for target in list(self._open):
+            state = self._states.get(target)
+            if state is None or state.open_until is None or not self._probed(target):
+                continue
+            if now >= state.open_until:
+                state.open_until = now + state.cooldown_s
+                targets.append(target)
+        return targets
 
     def is_open(self, target: HostPort) -> bool:
         state = self._states.get(self._key(target))

@@ -215,6 +215,11 @@ class EngineMaps:
         # shield: one waiter going away (its stream ended) must not cancel the shared query.
         return await asyncio.shield(future)
 
+    async def query_now(self, target: HostPort) -> EngineMap:
+        """A fresh answer from the pod's bootstrap server (a probe), cached like any."""
+        future = self._pending.get(target.host) or self._start_query(target)
+        return await asyncio.shield(future)
+
     def learn(self, target: HostPort, verdict: Verdict) -> None:
         """Act on what a prefill said about its pod: a pod that may have restarted is asked
         again next time."""

@@ -141,6 +141,13 @@ class Metrics:
             ["when"],
             registry=r,
         )
+        self.probes = Counter(
+            "pdproc_prefill_probes",
+            "Background probes of pool members whose breaker is open, by what they found "
+            "(up: the breaker closed; down: it stays open).",
+            ["result"],
+            registry=r,
+        )
         self.reroutes = Counter(
             "pdproc_bootstrap_reroutes",
             "P/D requests moved to another prefill pool member because the chosen one's "

@@ -5,11 +5,11 @@ admits it, and a header that names no pod (empty, or only commas) means "no disa
 without the header a pool member is chosen (`choose_member`): of the members whose circuit
 breaker lets them be used, one of the least loaded (its prefills in flight plus the requests
 assigned to it that wait for its bootstrap query or their body), chosen among equals by
-`tie` (at random by default, so equal pods share the work in every process and replica,
-with no state shared between them). The caller supplies the breaker and load views as
-functions, so this module holds no state and does no I/O; a routing policy (e.g. one that
-prefers the pod holding a prompt's prefix) slots in as `tie`, or in place of
-`choose_member`.
+`tie` (in turn, from a random start: `Rotation`, so equal pods share the work in each
+process, and processes and replicas, starting apart, need no shared state). The caller
+supplies the breaker and load views as functions, so this module holds no state and does no
+I/O; a routing policy (e.g. one that prefers the pod holding a prompt's prefix) slots in as
+`tie`, or in place of `choose_member`.
 """
 
 from __future__ import annotations
@@ -52,6 +52,18 @@ class NoTarget:
 
 Pick = Chosen | Unavailable | Forbidden | BadRequest | NoTarget
 Tie = Callable[[Sequence[HostPort]], HostPort]
+
+
+class Rotation:
+    """A tie rule: the next of the equals each time, from a random start (its only state is
+    a counter, so a pick stays a function of the members, their load and this turn)."""
+
+    def __init__(self, start: int | None = None) -> None:
+        self._turn = random.randrange(1 << 16) if start is None else start
+
+    def __call__(self, equal: Sequence[HostPort]) -> HostPort:
+        self._turn += 1
+        return equal[self._turn % len(equal)]
 
 
 def choose_member(

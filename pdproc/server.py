@@ -34,6 +34,7 @@ from pdproc.listeners import PortInUse
 from pdproc.metrics import MULTIPROC_ENV, Metrics
 from pdproc.pod_http import new_session
 from pdproc.prefill import PrefillLauncher
+from pdproc.probes import Prober
 from pdproc.service import ExtProcService, pod_feedback
 from pdproc.slots import Slots
 from pdproc.targets import AllowList, HostPort
@@ -76,6 +77,7 @@ class Server:
         self.service: ExtProcService | None = None
         self._dns: DnsPool | None = None
         self._breaker_sweep: asyncio.Task[None] | None = None
+        self._prober: asyncio.Task[None] | None = None
 
     async def _new_service(self, client: aiohttp.ClientSession) -> ExtProcService:
         """The ext_proc service and what it shares between streams (engine maps, breakers,
@@ -102,6 +104,7 @@ class Server:
             on_change=self._breaker_changed,
             max_targets=s.max_targets,
             key=lambda target: target if is_member(target) else HostPort(target.host, 0),
+            probed=is_member,
         )
         launcher = PrefillLauncher(
             client,
@@ -113,9 +116,17 @@ class Server:
             slots=Slots(s.max_prefill_connections, s.max_named_host_connections),
             named_host=lambda target: None if is_member(target) else target.host,
         )
+        connector = connector_for(s)
+        prober = Prober(
+            client,
+            breakers,
+            self.metrics,
+            timeout_s=s.bootstrap_timeout,
+            engines=engines if connector.uses_engines else None,
+        )
         service = ExtProcService(
             s,
-            connector_for(s),
+            connector,
             engines,
             launcher,
             breakers,
@@ -123,7 +134,9 @@ class Server:
             self.tracing,
             dns_pool=self._dns,
         )
-        self._breaker_sweep = asyncio.get_running_loop().create_task(_sweep(breakers))
+        loop = asyncio.get_running_loop()
+        self._breaker_sweep = loop.create_task(_sweep(breakers))
+        self._prober = loop.create_task(prober.run())
         return service
 
     async def start(self) -> None:
@@ -235,6 +248,8 @@ class Server:
             await self._dns.stop()
         if self._breaker_sweep is not None:
             self._breaker_sweep.cancel()
+        if self._prober is not None:
+            self._prober.cancel()
         if self._client is not None:
             await self._client.close()
         if self._web is not None:

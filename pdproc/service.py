@@ -31,6 +31,7 @@ from pdproc.picker import (
     Forbidden,
     NoTarget,
     Pick,
+    Rotation,
     Unavailable,
     choose_member,
     pick_target,
@@ -82,6 +83,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.draining = False  # shutting down: no new prefills, the decode serves alone
         self._outcome_counters: dict[tuple[str, str, str], Any] = {}
         self.load = PodLoad(launcher.in_flight)
+        self._tie = Rotation()
         self.budget = ByteBudget(settings.max_inflight_bytes, metrics.bodies_bytes.set)
         self.deps = Deps(
             settings=settings,
@@ -145,6 +147,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             in_pool=self.is_pool_member,
             breaker_allows=self.breakers.allow,
             load=self.load,
+            tie=self._tie,
         )
 
     def reroute(self, tried: Collection[HostPort]) -> HostPort | None:

@@ -115,3 +115,30 @@ def test_header_named_ports_are_judged_with_their_host() -> None:
         breakers.record(HostPort(POD.host, port), Verdict.FAILED)
     assert not breakers.allow(HostPort(POD.host, 9004))
     assert breakers.allow(POD)  # the pool member on that host keeps its own record
+
+
+def test_a_probed_target_lets_no_client_through_and_is_due_for_its_probe() -> None:
+    clock = Clock()
+    breakers = CircuitBreakers(1, 30.0, clock=clock, probed=lambda target: target == POD)
+    breakers.record(POD, Verdict.DOWN)
+    assert breakers.due() == []  # still cooling down
+    clock.now += 1.5
+    assert not breakers.allow(POD)  # no client request is the probe
+    assert breakers.due() == [POD]
+    assert breakers.due() == []  # being probed: not due again before another cooldown
+    breakers.record(POD, Verdict.DOWN)  # the probe failed: doubled cooldown
+    clock.now += 1.5
+    assert breakers.due() == []
+    clock.now += 1.0
+    assert breakers.due() == [POD]
+    breakers.record(POD, Verdict.HEALTHY)  # the probe found it back
+    assert breakers.allow(POD)
+
+
+def test_a_probed_target_is_never_forgotten_unasked() -> None:
+    clock = Clock()
+    breakers = CircuitBreakers(1, 2.0, clock=clock, probed=lambda target: True)
+    breakers.record(POD, Verdict.DOWN)
+    clock.now += 100
+    breakers.forget_unasked()
+    assert breakers.is_open(POD)

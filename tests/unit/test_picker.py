@@ -14,6 +14,7 @@ from pdproc.picker import (
     Forbidden,
     NoTarget,
     Pick,
+    Rotation,
     Unavailable,
     choose_member,
     pick_target,
@@ -120,3 +121,13 @@ def test_equal_idle_members_share_the_work_by_default() -> None:
 def test_excluded_members_are_never_chosen() -> None:
     assert choose_member([A, B], usable=lambda _: True, load=lambda _: 0, excluded={A}) == B
     assert choose_member([A], usable=lambda _: True, load=lambda _: 0, excluded={A}) is None
+
+
+def test_a_rotation_gives_equal_members_equal_turns() -> None:
+    c = HostPort("10.0.0.3", 8000)
+    rotation = Rotation(start=0)
+    chosen = Counter(
+        choose_member([A, B, c], usable=lambda _: True, load=lambda _: 0, tie=rotation)
+        for _ in range(60)
+    )
+    assert chosen == {A: 20, B: 20, c: 20}
