@@ -99,10 +99,6 @@ class CircuitBreakers:
         state.open_until = now + state.cooldown_s
         return True
 
-    def is_open(self, target: HostPort) -> bool:
-        state = self._states.get(target)
-        return state is not None and state.open_until is not None
-
     def record(self, target: HostPort, outcome: str) -> None:
         """Feed a prefill or bootstrap outcome (`2xx`, `4xx`, `5xx`, `timeout`, ...).
 

@@ -49,7 +49,7 @@ from pdproc.extproc_wire import Body
 from pdproc.ledger import Ledger
 from pdproc.metrics import Metrics
 from pdproc.outcomes import Outcome, PrefillResult
-from pdproc.prefill import PrefillJob, PrefillOutcome
+from pdproc.prefill import PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.request_body import BodyError, members, parse_body
 from pdproc.streamed_body import TAIL, StreamedBody, parse_content_length
 from pdproc.targets import HostPort
@@ -92,27 +92,6 @@ class EngineLookup(Protocol):
     def invalidate(self, target: HostPort) -> None: ...
 
 
-class Launcher(Protocol):
-    """Starts prefills (pdproc.prefill.PrefillLauncher)."""
-
-    @property
-    def timeout_s(self) -> float: ...
-
-    def in_flight_by_rank(self, target: HostPort) -> Mapping[int, int]: ...
-
-    def launch(
-        self,
-        *,
-        target: HostPort,
-        legs: Legs,
-        path: str,
-        client_headers: Mapping[str, str],
-        parent_span: Span | None = None,
-        log_fields: Mapping[str, Any] | None = None,
-        keep_answer: bool = False,
-    ) -> PrefillJob: ...
-
-
 @dataclass(frozen=True, slots=True)
 class Deps:
     """What processors use beyond their request, shared by all requests of a process."""
@@ -121,7 +100,7 @@ class Deps:
     metrics: Metrics
     budget: ByteBudget  # --max-inflight-bytes
     engines: EngineLookup
-    launcher: Launcher
+    launcher: PrefillLauncher  # tests hand in a stand-in of the same shape
     # A pod's bootstrap server failed (held against the pod: the circuit breakers' record).
     pod_failed: Callable[[HostPort, str], None]
     # Whether the gateway admits an address as a KV source (NIXL's side channel).
@@ -265,6 +244,23 @@ def checked_body(context: RequestContext, body: Body, max_bytes: int) -> ClientR
         return ErrorReply(ErrorKind.BAD_REQUEST, str(exc))
 
 
+async def serve_checked(
+    context: RequestContext,
+    deps: Deps,
+    body: Body,
+    serve: Callable[[ClientRequest], Awaitable[Answer]],
+) -> Answer:
+    """A whole body, held against --max-inflight-bytes while it is checked and `serve`d;
+    the client's 503 when the budget is full, its 4xx when the body fails the checks."""
+    with deps.budget.hold(len(body)) as admitted:
+        if not admitted:
+            return context.reject(_OVERLOADED)
+        checked = checked_body(context, body, deps.settings.max_body_bytes)
+        if isinstance(checked, ErrorReply):
+            return context.reject(checked)
+        return await serve(checked)
+
+
 class DecodeOnly(PassThrough):
     """A P/D path the decode serves alone; the body is still checked (no client params)."""
 
@@ -280,13 +276,10 @@ class DecodeOnly(PassThrough):
         return msg.CHECK_BODY_ONLY_HEADERS
 
     async def request_body(self, body: Body) -> Answer:
-        with self._deps.budget.hold(len(body)) as admitted:
-            if not admitted:
-                return self.context.reject(_OVERLOADED)
-            checked = checked_body(self.context, body, self._deps.settings.max_body_bytes)
-            if isinstance(checked, ErrorReply):
-                return self.context.reject(checked)
-            return self.context.served_alone(self._outcome, self._reason)
+        return await serve_checked(self.context, self._deps, body, self._serve)
+
+    async def _serve(self, request: ClientRequest) -> Answer:
+        return self.context.served_alone(self._outcome, self._reason)
 
 
 class Disaggregated:
@@ -331,16 +324,13 @@ class Disaggregated:
         return msg.CONTINUE_REQUEST_HEADERS
 
     async def request_body(self, body: Body) -> Answer:
-        with self._deps.budget.hold(len(body)) as admitted:
-            if not admitted:
-                return self.context.reject(_OVERLOADED)
-            checked = checked_body(self.context, body, self._deps.settings.max_body_bytes)
-            if isinstance(checked, ErrorReply):
-                return self.context.reject(checked)
-            if len(checked.raw) < self._min_prompt:
-                # Too short for P/D to pay: the decode does it all (--pd-min-prompt).
-                return self.context.served_alone(Outcome.SHORT_PROMPT)
-            return await self._pair(checked, None)
+        return await serve_checked(self.context, self._deps, body, self._serve)
+
+    async def _serve(self, request: ClientRequest) -> Answer:
+        if len(request.raw) < self._min_prompt:
+            # Too short for P/D to pay: the decode does it all (--pd-min-prompt).
+            return self.context.served_alone(Outcome.SHORT_PROMPT)
+        return await self._pair(request, None)
 
     def request_trailers(self) -> Answer:
         return msg.CONTINUE_REQUEST_TRAILERS
