@@ -30,7 +30,7 @@ from opentelemetry.trace import Span
 from pdproc import extproc_messages as msg
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.breaker import POD_DOWN
-from pdproc.budget import ByteBudget
+from pdproc.budget import BodyBytes, ByteBudget
 from pdproc.config import BootstrapPolicy, Settings
 from pdproc.connectors import (
     AnswerError,
@@ -80,6 +80,10 @@ class Deferred:
 Answer: TypeAlias = "msg.Response | Deferred"
 # The stream's way to end its request unasked (an immediate response written now).
 Abort = Callable[[msg.Response], None]
+
+
+def _nothing() -> None:
+    pass
 
 
 class EngineLookup(Protocol):
@@ -246,19 +250,23 @@ def checked_body(context: RequestContext, body: Body, max_bytes: int) -> ClientR
 
 async def serve_checked(
     context: RequestContext,
-    deps: Deps,
+    held: BodyBytes,
+    max_bytes: int,
     body: Body,
     serve: Callable[[ClientRequest], Awaitable[Answer]],
 ) -> Answer:
-    """A whole body, held against --max-inflight-bytes while it is checked and `serve`d;
-    the client's 503 when the budget is full, its 4xx when the body fails the checks."""
-    with deps.budget.hold(len(body)) as admitted:
-        if not admitted:
+    """A whole body, counted in `held` while it is checked and `serve`d (and after, by
+    whoever `serve` hands the bytes on to); the client's 503 when the budget is full, its
+    4xx when the body fails the checks."""
+    try:
+        if not held.take(len(body)):
             return context.reject(_OVERLOADED)
-        checked = checked_body(context, body, deps.settings.max_body_bytes)
+        checked = checked_body(context, body, max_bytes)
         if isinstance(checked, ErrorReply):
             return context.reject(checked)
         return await serve(checked)
+    finally:
+        held.release()
 
 
 class DecodeOnly(PassThrough):
@@ -276,7 +284,11 @@ class DecodeOnly(PassThrough):
         return msg.CHECK_BODY_ONLY_HEADERS
 
     async def request_body(self, body: Body) -> Answer:
-        return await serve_checked(self.context, self._deps, body, self._serve)
+        deps = self._deps
+        held = deps.budget.body()
+        return await serve_checked(
+            self.context, held, deps.settings.max_body_bytes, body, self._serve
+        )
 
     async def _serve(self, request: ClientRequest) -> Answer:
         return self.context.served_alone(self._outcome, self._reason)
@@ -303,10 +315,12 @@ class Disaggregated:
         self._job: PrefillJob | None = None
         self._response_seen = False
         self._busy_s = 0.0
-        # Body bytes the request goes on holding against --max-inflight-bytes after its body
-        # message was answered (pdproc.budget): a streamed body's chunks as they arrive, or
-        # a sequential connector's body until its decode leg is built.
-        self._budget = deps.budget.holding()
+        # The body's bytes against --max-inflight-bytes (pdproc.budget): a buffered body's
+        # while it is processed, a streamed body's chunks as they arrive; then held on by
+        # the prefill leg until it is sent, or a sequential connector's decode leg until it
+        # is built.
+        self._budget = deps.budget.body()
+        self._let_go_after_prefill: Callable[[], None] = _nothing
         if context.span is not None:
             context.span.set_attribute(ATTR_TARGET, str(target))
             context.span.set_attribute(ATTR_CONNECTOR, connector.name)
@@ -324,7 +338,8 @@ class Disaggregated:
         return msg.CONTINUE_REQUEST_HEADERS
 
     async def request_body(self, body: Body) -> Answer:
-        return await serve_checked(self.context, self._deps, body, self._serve)
+        max_bytes = self._deps.settings.max_body_bytes
+        return await serve_checked(self.context, self._budget, max_bytes, body, self._serve)
 
     async def _serve(self, request: ClientRequest) -> Answer:
         if len(request.raw) < self._min_prompt:
@@ -442,6 +457,7 @@ class Disaggregated:
 
     def close(self, *, abandoned: bool) -> Outcome | None:
         self._budget.release()
+        self._let_go_after_prefill()
         if not abandoned or self.context.finished:
             return None
         job = self._job
@@ -480,8 +496,8 @@ class SequentialPair(Disaggregated):
         legs = self._connector.legs(request, self._target, engines, busy)
         job = self._launch(legs, request, keep_answer=True)
         # The body's answer waits for the prefill (Envoy is told to wait if it must); the
-        # client's body, kept for it till then, stays counted (released at close).
-        self._budget.keep(len(request.raw))
+        # client's body, kept for it till then, stays counted (and is let go at close).
+        self._let_go_after_prefill = self._budget.share()
         return self._deferred(job, self._released_after_prefill(job, request))
 
     async def _released_after_prefill(
@@ -493,7 +509,7 @@ class SequentialPair(Disaggregated):
         try:
             return await self._after_prefill(job, request)
         finally:
-            self._budget.release()
+            self._let_go_after_prefill()
 
     async def _after_prefill(self, job: PrefillJob, request: ClientRequest) -> msg.Response:
         """The decode leg once the prefill has answered."""
@@ -585,7 +601,7 @@ class ConcurrentPair(Disaggregated):
 
     async def _stream_chunk(self, body: Body, streamed: StreamedBody) -> Answer:
         """A chunk of a streamed body: on at once, except the held-back tail."""
-        if not self._budget.grow(len(body)):
+        if not self._budget.take(len(body)):
             return self._stream_refused(_OVERLOADED)
         try:
             data = streamed.feed(body.view, body.end_of_stream)
@@ -640,20 +656,11 @@ class ConcurrentPair(Disaggregated):
             )
             answer = msg.last_chunk_response(tail)
         job = self._launch(legs, request, keep_answer=False)
-        self._held_until_sent(job, len(request.raw))
+        # The client's body stays counted until the prefill leg (views of it) is written to
+        # the pod: a pod slow to read must not let pdproc hold more than the budget says.
+        self._budget.until(job.body_sent)
         job.outcome.add_done_callback(self._prefill_done)
         return answer
-
-    def _held_until_sent(self, job: PrefillJob, size: int) -> None:
-        """The client's body stays counted against --max-inflight-bytes until the prefill
-        body (views of it) is written to the pod: a pod slow to read must not let pdproc
-        hold more than the budget says."""
-        sent = job.body_sent
-        if sent is None or sent.done():
-            return
-        sending = self._deps.budget.holding()
-        sending.keep(size)
-        sent.add_done_callback(lambda _: sending.release())
 
     def _prefill_done(self, outcome: asyncio.Future[PrefillOutcome]) -> None:
         """Count a failure (and abort the request at once if the decode has not answered);

@@ -190,23 +190,6 @@ def test_sglang_legs_are_the_clients_bytes_with_the_room() -> None:
     assert bytes(legs.prefill_body) == legs.decode_body
 
 
-def test_a_kept_body_counts_past_the_limit_and_is_released_once() -> None:
-    from pdproc.budget import ByteBudget
-
-    levels: list[int] = []
-    budget = ByteBudget(100, levels.append)
-    holding = budget.holding()
-    with budget.hold(90) as admitted:
-        assert admitted
-        holding.keep(90)  # admitted already: kept past the limit, never refused
-    assert budget.held == 90
-    assert not budget.take(20)  # others now see it
-    holding.release()
-    holding.release()
-    assert budget.held == 0
-    assert levels[-1] == 0
-
-
 @given(
     st.dictionaries(
         st.text(max_size=8),
