@@ -182,7 +182,11 @@ class Settings:
         parse_host_port,
         repeat=True,
     )
-    dns_refresh: float = _setting(10.0, "Seconds between --prefill-dns resolutions.", _positive)
+    dns_refresh: float = _setting(
+        1.0,
+        "Seconds between --prefill-dns resolutions; each lookup may take at most 0.8 of it.",
+        _positive,
+    )
     prefill_allow: AllowList = _setting(
         AllowList(),
         "CIDR, host name or * allowed as a prefill target taken from the "
