@@ -247,10 +247,13 @@ async def test_body_over_limit_gets_413(make_harness: Callable[..., Any]) -> Non
     assert orjson.loads(answer.immediate_response.body)["code"] == 413
 
 
-async def test_partial_body_gets_413(h: Harness) -> None:
+async def test_a_buffered_body_followed_by_trailers_gets_400(h: Harness) -> None:
+    """BUFFERED sends a body without end_of_stream only when trailers follow it."""
     call = await h.past_headers()
     await call.write(body_msg(b'{"model":', end_of_stream=False))
-    assert (await recv(call)).immediate_response.status.code == 413
+    answer = (await recv(call)).immediate_response
+    assert answer.status.code == 400
+    assert b"trailers are not supported" in answer.body
 
 
 async def test_a_stream_cancelled_before_the_decode_answered_cancels_its_prefill(
