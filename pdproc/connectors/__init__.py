@@ -86,7 +86,7 @@ class Sequential(Protocol):
     leg is built from the prefill's answer (NIXL v2)."""
 
     name: str
-    # Needs the prefill pod's engine map (pdproc.bootstrap) to build the legs.
+    # Needs the prefill pod's engine map (pdproc.engine_maps) to build the legs.
     uses_engines: bool
 
     def legs(
@@ -148,17 +148,6 @@ class Concurrent:
             rank=plan.rank,
             facts=plan.facts,
         )
-
-    def legs(
-        self,
-        request: ClientRequest,
-        target: HostPort,
-        engines: EngineMap | None,
-        busy_ranks: Mapping[int, int],
-    ) -> Legs:
-        """Both legs of one request."""
-        plan = self.plan(target, engines, busy_ranks)
-        return self.prefill_leg(request, plan, self.decode_leg(request, plan))
 
 
 Connector: TypeAlias = Concurrent | Sequential
