@@ -213,10 +213,6 @@ class PrefillLauncher:
     def in_flight_by_rank(self, target: HostPort) -> Mapping[int, int]:
         return self._per_rank.get(target) or {}
 
-    @property
-    def total_in_flight(self) -> int:
-        return len(self._tasks)
-
     def launch(
         self,
         *,

@@ -29,7 +29,7 @@ from opentelemetry.trace import Span
 
 from pdproc import extproc_messages as msg
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from pdproc.budget import ByteBudget
+from pdproc.budget import BodyBytes, ByteBudget
 from pdproc.config import BootstrapPolicy, Settings
 from pdproc.connectors import (
     AnswerError,
@@ -50,7 +50,7 @@ from pdproc.metrics import Metrics
 from pdproc.outcomes import Outcome, PrefillResult
 from pdproc.pod_load import PodLoad
 from pdproc.pod_verdict import Verdict
-from pdproc.prefill import PrefillJob, PrefillOutcome
+from pdproc.prefill import PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.request_body import BodyError, members, parse_body
 from pdproc.streamed_body import TAIL, StreamedBody, parse_content_length
 from pdproc.targets import HostPort
@@ -84,6 +84,10 @@ Answer: TypeAlias = "msg.Response | Deferred"
 Abort = Callable[[msg.Response], None]
 
 
+def _nothing() -> None:
+    pass
+
+
 class EngineLookup(Protocol):
     """Engine maps of prefill pods (pdproc.engine_maps.EngineMaps)."""
 
@@ -94,27 +98,6 @@ class EngineLookup(Protocol):
     def invalidate(self, target: HostPort) -> None: ...
 
 
-class Launcher(Protocol):
-    """Starts prefills (pdproc.prefill.PrefillLauncher)."""
-
-    @property
-    def timeout_s(self) -> float: ...
-
-    def in_flight_by_rank(self, target: HostPort) -> Mapping[int, int]: ...
-
-    def launch(
-        self,
-        *,
-        target: HostPort,
-        legs: Legs,
-        path: str,
-        client_headers: Mapping[str, str],
-        parent_span: Span | None = None,
-        log_fields: Mapping[str, Any] | None = None,
-        keep_answer: bool = False,
-    ) -> PrefillJob: ...
-
-
 @dataclass(frozen=True, slots=True)
 class Deps:
     """What processors use beyond their request, shared by all requests of a process."""
@@ -123,7 +106,7 @@ class Deps:
     metrics: Metrics
     budget: ByteBudget  # --max-inflight-bytes
     engines: EngineLookup
-    launcher: Launcher
+    launcher: PrefillLauncher  # tests hand in a stand-in of the same shape
     # What a pod's failed bootstrap query says about it (the circuit breakers' record).
     pod_failed: Callable[[HostPort, Verdict], None]
     # Whether the gateway admits an address as a KV source (NIXL's side channel).
@@ -272,6 +255,27 @@ def checked_body(context: RequestContext, body: Body, max_bytes: int) -> ClientR
         return ErrorReply(ErrorKind.BAD_REQUEST, str(exc))
 
 
+async def serve_checked(
+    context: RequestContext,
+    held: BodyBytes,
+    max_bytes: int,
+    body: Body,
+    serve: Callable[[ClientRequest], Awaitable[Answer]],
+) -> Answer:
+    """A whole body, counted in `held` while it is checked and `serve`d (and after, by
+    whoever `serve` hands the bytes on to); the client's 503 when the budget is full, its
+    4xx when the body fails the checks."""
+    try:
+        if not held.take(len(body)):
+            return context.reject(_OVERLOADED)
+        checked = checked_body(context, body, max_bytes)
+        if isinstance(checked, ErrorReply):
+            return context.reject(checked)
+        return await serve(checked)
+    finally:
+        held.release()
+
+
 class DecodeOnly(PassThrough):
     """A P/D path the decode serves alone; the body is still checked (no client params)."""
 
@@ -287,13 +291,14 @@ class DecodeOnly(PassThrough):
         return msg.CHECK_BODY_ONLY_HEADERS
 
     async def request_body(self, body: Body) -> Answer:
-        with self._deps.budget.hold(len(body)) as admitted:
-            if not admitted:
-                return self.context.reject(_OVERLOADED)
-            checked = checked_body(self.context, body, self._deps.settings.max_body_bytes)
-            if isinstance(checked, ErrorReply):
-                return self.context.reject(checked)
-            return self.context.served_alone(self._outcome, self._reason)
+        deps = self._deps
+        held = deps.budget.body()
+        return await serve_checked(
+            self.context, held, deps.settings.max_body_bytes, body, self._serve
+        )
+
+    async def _serve(self, request: ClientRequest) -> Answer:
+        return self.context.served_alone(self._outcome, self._reason)
 
 
 class Disaggregated:
@@ -320,10 +325,12 @@ class Disaggregated:
         self._job: PrefillJob | None = None
         self._response_seen = False
         self._busy_s = 0.0
-        # Body bytes the request goes on holding against --max-inflight-bytes after its body
-        # message was answered (pdproc.budget): a streamed body's chunks as they arrive, or
-        # a sequential connector's body until its decode leg is built.
-        self._budget = deps.budget.holding()
+        # The body's bytes against --max-inflight-bytes (pdproc.budget): a buffered body's
+        # while it is processed, a streamed body's chunks as they arrive; then held on by
+        # the prefill leg until it is sent, or a sequential connector's decode leg until it
+        # is built.
+        self._budget = deps.budget.body()
+        self._let_go_after_prefill: Callable[[], None] = _nothing
         if context.span is not None:
             context.span.set_attribute(ATTR_TARGET, str(target))
             context.span.set_attribute(ATTR_CONNECTOR, connector.name)
@@ -341,16 +348,14 @@ class Disaggregated:
         return msg.CONTINUE_REQUEST_HEADERS
 
     async def request_body(self, body: Body) -> Answer:
-        with self._deps.budget.hold(len(body)) as admitted:
-            if not admitted:
-                return self.context.reject(_OVERLOADED)
-            checked = checked_body(self.context, body, self._deps.settings.max_body_bytes)
-            if isinstance(checked, ErrorReply):
-                return self.context.reject(checked)
-            if len(checked.raw) < self._min_prompt:
-                # Too short for P/D to pay: the decode does it all (--pd-min-prompt).
-                return self.context.served_alone(Outcome.SHORT_PROMPT)
-            return await self._pair(checked, None)
+        max_bytes = self._deps.settings.max_body_bytes
+        return await serve_checked(self.context, self._budget, max_bytes, body, self._serve)
+
+    async def _serve(self, request: ClientRequest) -> Answer:
+        if len(request.raw) < self._min_prompt:
+            # Too short for P/D to pay: the decode does it all (--pd-min-prompt).
+            return self.context.served_alone(Outcome.SHORT_PROMPT)
+        return await self._pair(request, None)
 
     def request_trailers(self) -> Answer:
         return msg.CONTINUE_REQUEST_TRAILERS
@@ -500,6 +505,7 @@ class Disaggregated:
     def close(self, *, abandoned: bool) -> Outcome | None:
         self._budget.release()
         self._claim.release()
+        self._let_go_after_prefill()
         if not abandoned or self.context.finished:
             return None
         job = self._job
@@ -541,8 +547,8 @@ class SequentialPair(Disaggregated):
         legs = self._connector.legs(request, self._target, engines, busy)
         job = self._launch(legs, request, keep_answer=True)
         # The body's answer waits for the prefill (Envoy is told to wait if it must); the
-        # client's body, kept for it till then, stays counted (released at close).
-        self._budget.keep(len(request.raw))
+        # client's body, kept for it till then, stays counted (and is let go at close).
+        self._let_go_after_prefill = self._budget.share()
         return self._deferred(job, self._released_after_prefill(job, request))
 
     async def _released_after_prefill(
@@ -554,7 +560,7 @@ class SequentialPair(Disaggregated):
         try:
             return await self._after_prefill(job, request)
         finally:
-            self._budget.release()
+            self._let_go_after_prefill()
 
     async def _after_prefill(self, job: PrefillJob, request: ClientRequest) -> msg.Response:
         """The decode leg once the prefill has answered."""
@@ -649,7 +655,7 @@ class ConcurrentPair(Disaggregated):
 
     async def _stream_chunk(self, body: Body, streamed: StreamedBody) -> Answer:
         """A chunk of a streamed body: on at once, except the held-back tail."""
-        if not self._budget.grow(len(body)):
+        if not self._budget.take(len(body)):
             return self._stream_refused(_OVERLOADED)
         try:
             data = streamed.feed(body.view, body.end_of_stream)
@@ -704,20 +710,11 @@ class ConcurrentPair(Disaggregated):
             )
             answer = msg.last_chunk_response(tail)
         job = self._launch(legs, request, keep_answer=False)
-        self._held_until_sent(job, len(request.raw))
+        # The client's body stays counted until the prefill leg (views of it) is written to
+        # the pod: a pod slow to read must not let pdproc hold more than the budget says.
+        self._budget.until(job.body_sent)
         job.outcome.add_done_callback(self._prefill_done)
         return answer
-
-    def _held_until_sent(self, job: PrefillJob, size: int) -> None:
-        """The client's body stays counted against --max-inflight-bytes until the prefill
-        body (views of it) is written to the pod: a pod slow to read must not let pdproc
-        hold more than the budget says."""
-        sent = job.body_sent
-        if sent is None or sent.done():
-            return
-        sending = self._deps.budget.holding()
-        sending.keep(size)
-        sent.add_done_callback(lambda _: sending.release())
 
     def _prefill_done(self, outcome: asyncio.Future[PrefillOutcome]) -> None:
         """Count a failure (and abort the request at once if the decode has not answered);

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import grpc
+import msgspec
 import orjson
 from opentelemetry.sdk.trace import Span as SdkSpan
 from opentelemetry.sdk.trace import TracerProvider
@@ -20,7 +21,7 @@ from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.budget import ByteBudget
 from pdproc.config import Settings
-from pdproc.connectors import EngineMap, Legs
+from pdproc.connectors import ClientRequest, Concurrent, EngineMap, Legs
 from pdproc.engine_maps import BootstrapError
 from pdproc.extproc_wire import Body, read_request, write_response
 from pdproc.ledger import Ledger
@@ -272,3 +273,22 @@ class FakeCall:
                 self.wrote.clear()
                 await self.wrote.wait()
         return self.written[seen]
+
+
+def both_legs(
+    connector: Concurrent,
+    request: ClientRequest,
+    target: HostPort,
+    engines: EngineMap | None,
+    busy_ranks: Mapping[int, int],
+) -> Legs:
+    """Both legs of a concurrent connector's request, built as the processor builds them
+    for a body it holds whole: the plan, the decode leg, then the prefill leg."""
+    plan = connector.plan(target, engines, busy_ranks)
+    return connector.prefill_leg(request, plan, connector.decode_leg(request, plan))
+
+
+def value_of(members: Mapping[str, Any], key: str) -> Any:
+    """A parsed body member's value as Python data (the parser keeps members as raw JSON)."""
+    value = members[key]
+    return msgspec.json.decode(value) if isinstance(value, msgspec.Raw) else value
