@@ -28,7 +28,7 @@ from typing import Any, TypeAlias
 import msgspec
 import orjson
 
-from pdproc.gateway_fields import GATEWAY_FIELDS
+from pdproc.gateway_fields import GATEWAY_FIELDS, NESTED_CARRIERS
 from pdproc.gateway_fields import KV_PARAMS as KV_PARAMS
 
 Members: TypeAlias = dict[str, msgspec.Raw]
@@ -85,7 +85,24 @@ def parse_body(raw: ClientBytes) -> Members:
         if ascii_only and value_kind(value) == "string":
             continue
         _check_value(value)
+    # After the values' bound: a carrier is decoded one level more.
+    for path in NESTED_CARRIERS:
+        _refuse_nested_fields(members, path)
     return members
+
+
+def _refuse_nested_fields(members: Members, path: tuple[str, ...]) -> None:
+    """BodyError if the object at `path` (from the body) has a gateway field."""
+    current: Members | None = members
+    for name in path:
+        value = current.get(name) if current is not None else None
+        current = _as_object(value) if value is not None else None
+    if current is None:
+        return
+    for name in GATEWAY_FIELDS:
+        if name in current:
+            dotted = ".".join((*path, name))
+            raise BodyError(f"{dotted} is set by the gateway, not by clients")
 
 
 def _json_kind(raw: ClientBytes) -> str:
