@@ -23,7 +23,8 @@ from opentelemetry.trace import Span, SpanKind
 
 from pdproc.connectors import Legs
 from pdproc.gateway_fields import GATEWAY_HEADERS
-from pdproc.metrics import Metrics, PrefillResult
+from pdproc.metrics import Metrics
+from pdproc.outcomes import PrefillResult
 from pdproc.pod_http import discard, locally_exhausted, read_at_most
 from pdproc.request_body import Pieces
 from pdproc.targets import PREFILL_HEADER, HostPort

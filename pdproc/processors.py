@@ -29,7 +29,6 @@ from opentelemetry.trace import Span
 
 from pdproc import extproc_messages as msg
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from pdproc.bootstrap import BootstrapError
 from pdproc.breaker import POD_DOWN
 from pdproc.budget import ByteBudget
 from pdproc.config import BootstrapPolicy, Settings
@@ -44,10 +43,12 @@ from pdproc.connectors import (
     OnFailure,
     Sequential,
 )
+from pdproc.engine_maps import BootstrapError
 from pdproc.errors import ErrorKind, ErrorReply
 from pdproc.extproc_wire import Body
 from pdproc.ledger import Ledger
-from pdproc.metrics import Metrics, Outcome, PrefillResult
+from pdproc.metrics import Metrics
+from pdproc.outcomes import Outcome, PrefillResult
 from pdproc.prefill import PrefillJob, PrefillOutcome
 from pdproc.request_body import BodyError, members, parse_body
 from pdproc.streamed_body import TAIL, StreamedBody, parse_content_length
@@ -82,7 +83,7 @@ Abort = Callable[[msg.Response], None]
 
 
 class EngineLookup(Protocol):
-    """Engine maps of prefill pods (pdproc.bootstrap.EngineMaps)."""
+    """Engine maps of prefill pods (pdproc.engine_maps.EngineMaps)."""
 
     def prefetch(self, target: HostPort, span: Span | None = None) -> None: ...
 

@@ -14,16 +14,17 @@ from typing import Any
 
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from pdproc.bootstrap import EngineMaps
 from pdproc.breaker import POD_DOWN, CircuitBreakers
 from pdproc.budget import ByteBudget
 from pdproc.config import BootstrapPolicy, Settings
 from pdproc.connectors import Concurrent, Connector
 from pdproc.discovery import DnsPool
+from pdproc.engine_maps import EngineMaps
 from pdproc.errors import ErrorKind, ErrorReply, shown
 from pdproc.extproc_wire import BodyRequest
 from pdproc.ledger import Ledger
-from pdproc.metrics import Metrics, Outcome
+from pdproc.metrics import Metrics
+from pdproc.outcomes import Outcome
 from pdproc.picker import (
     BadRequest,
     Chosen,

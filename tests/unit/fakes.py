@@ -18,13 +18,14 @@ from opentelemetry.trace import Span
 from pdproc import extproc_messages as msg
 from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from pdproc.bootstrap import BootstrapError
 from pdproc.budget import ByteBudget
 from pdproc.config import Settings
 from pdproc.connectors import EngineMap, Legs
+from pdproc.engine_maps import BootstrapError
 from pdproc.extproc_wire import Body, read_request, write_response
 from pdproc.ledger import Ledger
-from pdproc.metrics import Metrics, Outcome, PrefillResult
+from pdproc.metrics import Metrics
+from pdproc.outcomes import Outcome, PrefillResult
 from pdproc.prefill import PrefillJob, PrefillOutcome
 from pdproc.processors import Deps, RequestContext
 from pdproc.targets import HostPort

@@ -12,13 +12,13 @@ import orjson
 import pytest
 
 from pdproc import extproc_messages as msg
-from pdproc.bootstrap import BootstrapError
 from pdproc.config import BootstrapPolicy
 from pdproc.connectors.mooncake import Mooncake
 from pdproc.connectors.nixlv2 import NixlV2
 from pdproc.connectors.sglang import SGLang
+from pdproc.engine_maps import BootstrapError
 from pdproc.errors import ErrorKind, ErrorReply
-from pdproc.metrics import Outcome, PrefillResult
+from pdproc.outcomes import Outcome, PrefillResult
 from pdproc.prefill import PrefillOutcome
 from pdproc.processors import (
     ConcurrentPair,

@@ -14,7 +14,8 @@ from pdproc.config import BootstrapPolicy, Settings
 from pdproc.connectors import Legs
 from pdproc.connectors.mooncake import Mooncake
 from pdproc.connectors.nixlv2 import NixlV2
-from pdproc.metrics import Metrics, Outcome, PrefillResult
+from pdproc.metrics import Metrics
+from pdproc.outcomes import Outcome, PrefillResult
 from pdproc.prefill import PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.processors import ConcurrentPair, DecodeOnly, PassThrough, Rejected, SequentialPair
 from pdproc.request_body import Pieces
