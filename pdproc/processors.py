@@ -126,6 +126,13 @@ class Deps:
     pod_failed: Callable[[HostPort, str], None]
     # Whether the gateway admits an address as a KV source (NIXL's side channel).
     admits: Callable[[HostPort], bool]
+    # A pod's engine ids, each time a request gets them (the pool policy's news of restarts).
+    engines_seen: Callable[[HostPort, EngineMap], None] | None = None
+
+
+# The pool policy's second look, once the body is known: (parsed body, header-time pick) ->
+# the member to use.
+Refine = Callable[[Mapping[str, Any], HostPort], HostPort]
 
 
 class RequestContext:
@@ -301,8 +308,10 @@ class Disaggregated:
         target: HostPort,
         *,
         min_prompt: int = 0,
+        refine: Refine | None = None,
     ) -> None:
         self.context = context
+        self._refine = refine
         self._deps = deps
         self._uses_engines = connector.uses_engines
         self._target = target
@@ -350,12 +359,16 @@ class Disaggregated:
         prefill launched, and the body's answer. `streamed`: the body went on to the decode
         as it arrived, all but its tail."""
         started = time.perf_counter()
+        if self._refine is not None:
+            self._retarget(self._refine(request.parsed, self._target))
         engines: EngineMap | None = None
         if self._uses_engines:
             try:
                 engines = await self._deps.engines.get(self._target, self.context.span)
             except BootstrapError as exc:
                 return self._no_engines(exc, request, streamed)
+            if self._deps.engines_seen is not None:
+                self._deps.engines_seen(self._target, engines)
         busy = self._deps.launcher.in_flight_by_rank(self._target)
         try:
             answer = self._launch_legs(request, engines, busy, streamed)
@@ -364,6 +377,14 @@ class Disaggregated:
         self._busy_s += time.perf_counter() - started
         self._deps.metrics.processing_seconds.observe(self._busy_s)
         return answer
+
+    def _retarget(self, target: HostPort) -> None:
+        """The pool policy moved the request to another member."""
+        if target == self._target:
+            return
+        self._target = target
+        if self.context.span is not None:
+            self.context.span.set_attribute(ATTR_TARGET, str(target))
 
     def _launch_legs(
         self,
@@ -476,8 +497,9 @@ class SequentialPair(Disaggregated):
         target: HostPort,
         *,
         min_prompt: int = 0,
+        refine: Refine | None = None,
     ) -> None:
-        super().__init__(context, deps, connector, target, min_prompt=min_prompt)
+        super().__init__(context, deps, connector, target, min_prompt=min_prompt, refine=refine)
         self._connector = connector
 
     def _launch_legs(
@@ -554,8 +576,9 @@ class ConcurrentPair(Disaggregated):
         abort: Abort,
         *,
         min_prompt: int = 0,
+        refine: Refine | None = None,
     ) -> None:
-        super().__init__(context, deps, connector, target, min_prompt=min_prompt)
+        super().__init__(context, deps, connector, target, min_prompt=min_prompt, refine=refine)
         self._connector = connector
         self._abort = abort
         self._streamed: StreamedBody | None = None

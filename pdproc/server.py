@@ -157,6 +157,8 @@ class Server:
 
     def _breaker_changed(self, target: HostPort, is_open: bool) -> None:
         self.metrics.breaker_changed(target, is_open)
+        if self.service is not None:
+            self.service.breaker_changed(target, is_open)
         log.warning(
             "prefill circuit breaker %s",
             "opened" if is_open else "closed",

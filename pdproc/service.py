@@ -16,7 +16,7 @@ from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.breaker import POD_DOWN, CircuitBreakers
 from pdproc.budget import ByteBudget
-from pdproc.config import BootstrapPolicy, Settings
+from pdproc.config import BootstrapPolicy, PoolPolicy, Settings
 from pdproc.connectors import Concurrent, Connector
 from pdproc.discovery import DnsPool
 from pdproc.engine_maps import EngineMaps
@@ -34,6 +34,7 @@ from pdproc.picker import (
     Unavailable,
     pick_target,
 )
+from pdproc.pool_choice import PrefixPool
 from pdproc.prefill import NOT_THE_POD, OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.processors import (
     Abort,
@@ -79,6 +80,16 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.draining = False  # shutting down: no new prefills, the decode serves alone
         self._outcome_counters: dict[tuple[str, str, str], Any] = {}
         self.budget = ByteBudget(settings.max_inflight_bytes, metrics.bodies_bytes.set)
+        self.prefix_pool: PrefixPool | None = None
+        if settings.pool_policy is PoolPolicy.PREFIX:
+            self.prefix_pool = PrefixPool(
+                self.pool,
+                is_open=breakers.is_open,
+                allow=breakers.allow,
+                in_flight=launcher.in_flight,
+                blocks_per_pod=settings.prefix_blocks_per_pod,
+                balance=settings.prefix_balance,
+            )
         self.deps = Deps(
             settings=settings,
             metrics=metrics,
@@ -87,6 +98,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             launcher=launcher,
             pod_failed=breakers.record,
             admits=self.admits,
+            engines_seen=self.prefix_pool.engines_seen if self.prefix_pool else None,
         )
 
     async def Process(
@@ -163,12 +175,16 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """The prefill/decode pair for `target`, of the connector's kind."""
         # Pool mode may leave a short prompt to the decode; an endpoint picker's choice is kept.
         min_prompt = self.settings.pd_min_prompt if from_pool else 0
+        # Only pdproc's own choice is refined by the prompt; an endpoint picker's is kept.
+        refine = self.prefix_pool.refine if from_pool and self.prefix_pool else None
         connector = self.connector
         if isinstance(connector, Concurrent):
             return ConcurrentPair(
-                context, self.deps, connector, target, abort, min_prompt=min_prompt
+                context, self.deps, connector, target, abort, min_prompt=min_prompt, refine=refine
             )
-        return SequentialPair(context, self.deps, connector, target, min_prompt=min_prompt)
+        return SequentialPair(
+            context, self.deps, connector, target, min_prompt=min_prompt, refine=refine
+        )
 
     def ledger(self, path: str) -> Ledger:
         """A ledger for a stream that never became a request (its first message unreadable,
@@ -187,6 +203,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if self.dns_pool is None:
             return self.settings.prefill
         return self.settings.prefill + self.dns_pool.members
+
+    def breaker_changed(self, target: HostPort, is_open: bool) -> None:
+        if is_open and self.prefix_pool is not None:
+            self.prefix_pool.breaker_opened(target)
 
     def admits(self, address: HostPort) -> bool:
         """Whether the gateway lets `address` be a KV source a prefill pod names (NIXL's side

@@ -1,0 +1,79 @@
+"""The prefix-aware pool policy in service: pdproc.prefix_affinity fed with the pool, the
+breakers and the prefills in flight of one process, and told what pods reveal.
+
+The header-time pick (pdproc.picker) names a member before the body is known (the
+least-loaded one, whose engine map is prefetched); once the body is in, `refine` may move
+the request to the member that likely holds its prompt's prefix. No I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pdproc.prefix_affinity import PrefixAffinity, Prompt
+from pdproc.targets import HostPort
+
+# Members whose engine map was seen, at most (beyond, the oldest memo is dropped): a DNS
+# pool that churns cannot grow this without bound.
+_SEEN_CAP = 4096
+
+
+class PrefixPool:
+    def __init__(
+        self,
+        members: Callable[[], Sequence[HostPort]],
+        *,
+        is_open: Callable[[HostPort], bool],
+        allow: Callable[[HostPort], bool],
+        in_flight: Callable[[HostPort], int],
+        blocks_per_pod: int,
+        balance: float,
+    ) -> None:
+        self._members = members
+        self._is_open = is_open
+        self._allow = allow
+        self._in_flight = in_flight
+        self.affinity: PrefixAffinity[HostPort] = PrefixAffinity(blocks_per_pod, balance)
+        self._engines: dict[HostPort, Mapping[int, str]] = {}
+        self._last_members: frozenset[HostPort] = frozenset()
+        self.choices: dict[str, int] = {"prefix": 0, "home": 0, "balance": 0, "kept": 0}
+
+    def refine(self, body: Mapping[str, Any], provisional: HostPort) -> HostPort:
+        """The member to prefill this body: the one the affinity names, or `provisional`
+        (the header-time pick) when that one cannot be used."""
+        members = self._members()
+        self._forget_departed(members)
+        usable = [m for m in members if not self._is_open(m)]
+        choice = self.affinity.choose(Prompt.of(body), usable, self._in_flight)
+        if choice is None or (choice.pod != provisional and not self._allow(choice.pod)):
+            self.choices["kept"] += 1
+            return provisional
+        self.choices[choice.reason] += 1
+        return choice.pod
+
+    def _forget_departed(self, members: Sequence[HostPort]) -> None:
+        """Members gone from the pool (DNS no longer lists them) lose their sets."""
+        if len(members) == len(self._last_members) and all(
+            m in self._last_members for m in members
+        ):
+            return
+        current = frozenset(members)
+        self.affinity.retain(current)
+        for gone in [pod for pod in self._engines if pod not in current]:
+            del self._engines[gone]
+        self._last_members = current
+
+    def engines_seen(self, target: HostPort, engines: Mapping[int, str]) -> None:
+        """A pod's engine ids as its bootstrap server lists them: new ids mean a restarted
+        engine, whose cache is empty."""
+        previous = self._engines.get(target)
+        if previous is not None and previous != engines:
+            self.affinity.forget(target)
+        if previous is None and len(self._engines) >= _SEEN_CAP:
+            self._engines.pop(next(iter(self._engines)))
+        self._engines[target] = dict(engines)
+
+    def breaker_opened(self, target: HostPort) -> None:
+        """A failing pod may come back restarted: what it held is not counted on."""
+        self.affinity.forget(target)
