@@ -1,9 +1,9 @@
 """Which pool member should prefill a prompt: the one most likely to hold its prefix in its
 KV cache, unless that would overload it. Pure logic, no I/O.
 
-The key is the client's own bytes, no tokenizer: the prompt (chat messages with their roles,
-a completion's prompt, a response's input, token ids) is rendered to bytes and cut into
-256-byte blocks; block i's key is a hash of everything up to the end of block i (one running
+The key is the client's own bytes, no tokenizer: the prompt member of the body (chat
+messages, a completion's prompt, a response's input, token ids) as the client wrote it, cut
+into 256-byte blocks; block i's key is a hash of everything up to the end of block i (one running
 hash, so each key names its whole prefix, as an engine's chained block hashes do). Engines
 cache 16-token blocks, and 256 bytes is about 64 tokens: a match here is a prefix an engine
 that computed it still holds, unless it evicted it.
@@ -35,6 +35,8 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import msgspec
+
 BLOCK_BYTES = 256
 # Blocks of one prompt that are hashed and indexed (1 MiB): the rest of a longer prompt is
 # not used for the choice, which bounds the work and memory one request can cost.
@@ -52,43 +54,34 @@ _MASK64 = (1 << 64) - 1
 Pod = TypeVar("Pod", bound=Hashable)
 
 
-def _text(value: Any, out: list[str], depth: int = 0) -> None:
-    """The text of a content value (a string, a list of parts, a part), appended to out."""
-    if isinstance(value, str):
-        out.append(value)
-    elif depth < 4 and isinstance(value, list):
-        for item in value:
-            _text(item, out, depth + 1)
-    elif depth < 4 and isinstance(value, dict):
-        for name in ("text", "content"):
-            if name in value:
-                _text(value[name], out, depth + 1)
-    elif isinstance(value, int) and not isinstance(value, bool):
-        out.append(f"{value & 0xFFFFFFFF:08x}")  # a token id of a pre-tokenised prompt
+_PROMPT_FIELDS = ("messages", "prompt", "input", "token_ids")
+
+
+def _member_bytes(value: Any, limit: int) -> bytes | memoryview:
+    """A body member's bytes, at most `limit`: the client's own JSON text when the body was
+    parsed lazily (msgspec.Raw, as pdproc parses it), else a canonical JSON encoding."""
+    if isinstance(value, msgspec.Raw | bytes | bytearray | memoryview):
+        return memoryview(value)[:limit]
+    try:
+        return msgspec.json.encode(value)[:limit]
+    except (TypeError, ValueError, RecursionError):
+        return b""
 
 
 def prompt_bytes(body: Mapping[str, Any]) -> bytes:
-    """The prompt of an OpenAI-style body (or vLLM's /inference/v1/generate) as bytes, the
-    model first (engines serving other models share no cache)."""
-    out: list[str] = []
+    """The model and the prompt member of an OpenAI-style body (or vLLM's
+    /inference/v1/generate) as the client wrote them: a conversation's next turn repeats the
+    previous turn's messages, so its bytes start with theirs. Engines serving other models
+    share no cache, so the model comes first."""
+    limit = MAX_PROMPT_BLOCKS * BLOCK_BYTES
     model = body.get("model")
-    out.append(model if isinstance(model, str) else "")
-    out.append("\x1e")
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for message in messages:
-            if isinstance(message, dict):
-                role = message.get("role")
-                out.append(role if isinstance(role, str) else "")
-                out.append("\x1f")
-                _text(message.get("content"), out)
-                out.append("\x1e")
-    else:
-        for field in ("prompt", "input", "token_ids"):
-            if field in body:
-                _text(body[field], out)
-                break
-    return "".join(out).encode("utf-8", "surrogatepass")
+    parts = [_member_bytes(model, 256) if model is not None else b"", b"\x1e"]
+    for name in _PROMPT_FIELDS:
+        if name in body:
+            parts.append(name.encode())
+            parts.append(_member_bytes(body[name], limit))
+            break
+    return b"".join(parts)
 
 
 def block_keys(data: bytes) -> list[int]:

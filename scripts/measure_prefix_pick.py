@@ -1,5 +1,6 @@
-"""The cost of one prefix-aware pick (pdproc.prefix_affinity), keys included, at a given
-prompt size, with warm per-pod sets: `python scripts/measure_prefix_pick.py --bytes 1024`.
+"""The cost of one prefix-aware pick (pdproc.prefix_affinity), keys included (from a body
+parsed as pdproc parses it), at a given prompt size, with warm per-pod sets:
+`python scripts/measure_prefix_pick.py --bytes 1024`.
 
 Prints the median and p90 over repeated timed batches (a noisy shared machine: read the
 median). Not a test: speed is measured, never asserted.
@@ -14,7 +15,10 @@ import sys
 import time
 import tracemalloc
 
+import msgspec
+
 from pdproc.prefix_affinity import PrefixAffinity, Prompt
+from pdproc.request_body import parse_body
 from pdproc.targets import HostPort
 
 
@@ -43,7 +47,8 @@ def main() -> int:
     args = parser.parse_args()
     pods = [HostPort(f"10.0.0.{i + 1}", 8000) for i in range(args.pods)]
     loads = dict.fromkeys(pods, 0)
-    bodies = _bodies(args.per_batch, args.bytes, 6)
+    # As pdproc has them: members of the client's JSON, parsed lazily.
+    bodies = [parse_body(msgspec.json.encode(b)) for b in _bodies(args.per_batch, args.bytes, 6)]
     tracemalloc.start()
     affinity: PrefixAffinity[HostPort] = PrefixAffinity(args.blocks_per_pod)
     # Fill every pod's set to its bound, as after a long run.

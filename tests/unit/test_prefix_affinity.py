@@ -17,6 +17,7 @@ from pdproc.prefix_affinity import (
     block_keys,
     prompt_bytes,
 )
+from pdproc.request_body import parse_body
 
 PODS = ("p0", "p1", "p2", "p3")
 SYSTEM = "You are a helpful assistant who answers briefly. " * 30  # ~1.5 KiB
@@ -48,12 +49,21 @@ def test_roles_models_and_apis_are_part_of_the_prompt() -> None:
     as_user = prompt_bytes({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     as_system = prompt_bytes({"model": "m", "messages": [{"role": "system", "content": "hi"}]})
     other_model = prompt_bytes({"model": "n", "messages": [{"role": "user", "content": "hi"}]})
-    assert len({as_user, as_system, other_model}) == 3
-    parts = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
-    assert prompt_bytes({"model": "m", "messages": [parts]}) == as_user
+    as_prompt = prompt_bytes({"model": "m", "prompt": [{"role": "user", "content": "hi"}]})
+    assert len({as_user, as_system, other_model, as_prompt}) == 4
     assert b"hello" in prompt_bytes({"prompt": "hello"})
     assert b"hello" in prompt_bytes({"input": [{"role": "user", "content": "hello"}]})
     assert prompt_bytes({"token_ids": [1, 2]}) != prompt_bytes({"token_ids": [2, 1]})
+
+
+def test_the_clients_own_bytes_are_the_key() -> None:
+    """As pdproc parses a body: each member a slice of the client's JSON text."""
+    raw = b'{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}'
+    members = parse_body(raw)
+    assert prompt_bytes(members).endswith(b'[{"role": "user", "content": "hi"}]')
+    # Another request of the same conversation: other sampling fields, same key prefix.
+    again = parse_body(raw.replace(b'"max_tokens": 5', b'"stream": true'))
+    assert block_keys(prompt_bytes(again)) == block_keys(prompt_bytes(members))
 
 
 def test_hostile_shapes_give_bytes_not_errors() -> None:
