@@ -15,8 +15,10 @@ pod is how many of its leading blocks that set holds. The choice:
    to the mean may be chosen: `load + 1 <= ceil(balance * (total load + 1) / members) +
    slack` (consistent hashing with bounded loads; the slack of one lets a nearly idle pool
    keep its affinity): affinity never builds a hot spot.
-2. Among those, the longest cached prefix wins; ties go to the prompt's "home" order, a
-   rendezvous hash of its first blocks over the member set. Every pdproc process and
+2. Among those, the lowest estimated wait wins: the prefills queued ahead (each costing the
+   recent mean of blocks computed per prefill) plus the blocks the pod must compute (those
+   past the longest prefix it holds). Ties go to the prompt's "home" order, a rendezvous
+   hash of its first blocks over the member set. Every pdproc process and
    replica computes the same order from the same bytes with no shared state, so a new
    conversation (or a shared system prompt) lands on the same pod whichever replica routes
    it, and spills to the same next pod when that one is full.
@@ -50,6 +52,7 @@ DEFAULT_SLACK = 1
 # A pod's set never shrinks below this many blocks on feedback.
 MIN_BLOCKS_PER_POD = 64
 _MASK64 = (1 << 64) - 1
+_WORK_WEIGHT = 0.05
 
 Pod = TypeVar("Pod", bound=Hashable)
 
@@ -187,6 +190,9 @@ class PrefixAffinity(Generic[Pod]):
         self.balance = balance
         self.slack = max(0, slack)
         self._pods: dict[Pod, _PodBlocks] = {}
+        # The recent mean of blocks a chosen pod had to compute (an exponential average):
+        # what one prefill queued ahead costs.
+        self._work = 1.0
         self._seeds: dict[Pod, int] = {}
 
     def _seed(self, pod: Pod) -> int:
@@ -216,18 +222,23 @@ class PrefixAffinity(Generic[Pod]):
         loads = [load(pod) for pod in members]
         bound = math.ceil(self.balance * (sum(loads) + 1) / len(members)) + self.slack
         best: Pod | None = None
-        best_matched = -1
+        best_matched = 0
+        best_cost = math.inf
         best_score = -1
         home = prompt.home_key
         keys = prompt.keys
+        work = self._work
         for pod, pod_load in zip(members, loads, strict=True):
             if pod_load + 1 > bound:
                 continue
             blocks = self._pods.get(pod)
             matched = blocks.matched(keys) if blocks is not None else 0
+            # What the prefill waits for there: the queue ahead (at the recent mean work of
+            # a prefill), then the blocks it must compute.
+            cost = pod_load * work + len(keys) - matched
             score = _mix(home ^ self._seed(pod))
-            if matched > best_matched or (matched == best_matched and score > best_score):
-                best, best_matched, best_score = pod, matched, score
+            if cost < best_cost or (cost == best_cost and score > best_score):
+                best, best_matched, best_cost, best_score = pod, matched, cost, score
         if best is None:
             # Unreachable while balance >= 1 (the least loaded member is always under the
             # bound); kept so a caller's odd load function cannot make the choice fail.
@@ -235,6 +246,7 @@ class PrefixAffinity(Generic[Pod]):
             best, best_matched, reason = members[index], 0, "balance"
         else:
             reason = "prefix" if best_matched else "home"
+        self._work += (len(keys) - best_matched - self._work) * _WORK_WEIGHT
         self.record(best, prompt)
         return Choice(best, best_matched, reason)
 
