@@ -29,7 +29,11 @@ class PrefixPool:
         in_flight: Callable[[HostPort], int],
         blocks_per_pod: int,
         balance: float,
+        on_choice: Callable[[str], None] | None = None,
+        on_index: Callable[[int], None] | None = None,
     ) -> None:
+        self._on_choice = on_choice
+        self._on_index = on_index
         self._members = members
         self._is_open = is_open
         self._allow = allow
@@ -37,7 +41,6 @@ class PrefixPool:
         self.affinity: PrefixAffinity[HostPort] = PrefixAffinity(blocks_per_pod, balance)
         self._engines: dict[HostPort, Mapping[int, str]] = {}
         self._last_members: frozenset[HostPort] = frozenset()
-        self.choices: dict[str, int] = {"prefix": 0, "home": 0, "balance": 0, "kept": 0}
 
     def refine(self, body: Mapping[str, Any], provisional: HostPort) -> HostPort:
         """The member to prefill this body: the one the affinity names, or `provisional`
@@ -47,10 +50,16 @@ class PrefixPool:
         usable = [m for m in members if not self._is_open(m)]
         choice = self.affinity.choose(Prompt.of(body), usable, self._in_flight)
         if choice is None or (choice.pod != provisional and not self._allow(choice.pod)):
-            self.choices["kept"] += 1
+            self._chose("kept")
             return provisional
-        self.choices[choice.reason] += 1
+        self._chose(choice.reason)
         return choice.pod
+
+    def _chose(self, reason: str) -> None:
+        if self._on_choice is not None:
+            self._on_choice(reason)
+        if self._on_index is not None:
+            self._on_index(self.affinity.blocks)
 
     def _forget_departed(self, members: Sequence[HostPort]) -> None:
         """Members gone from the pool (DNS no longer lists them) lose their sets."""

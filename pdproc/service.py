@@ -89,6 +89,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 in_flight=launcher.in_flight,
                 blocks_per_pod=settings.prefix_blocks_per_pod,
                 balance=settings.prefix_balance,
+                on_choice=lambda reason: metrics.pool_choices.labels(reason).inc(),
+                on_index=metrics.prefix_index_blocks.set,
             )
         self.deps = Deps(
             settings=settings,

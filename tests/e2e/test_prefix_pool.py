@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from pdproc_sim.devstack import Envoy, start_envoy, start_pdproc
+from pdproc_sim.devstack import Envoy, scrape_metric, start_envoy, start_pdproc
 from pdproc_sim.poolstack import SimPool, running_pool
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -26,9 +26,14 @@ SYSTEM = "You answer questions about gardening with care and precision. " * 30
 
 @contextlib.contextmanager
 def pool_front(
-    workdir: Path, pool: SimPool, replicas: int = 1, args: Sequence[str] = ()
+    workdir: Path,
+    pool: SimPool,
+    replicas: int = 1,
+    args: Sequence[str] = (),
+    metrics: list[HostPort] | None = None,
 ) -> Iterator[Envoy]:
-    """pdproc replica(s) with the pool as static members, behind one Envoy."""
+    """pdproc replica(s) with the pool as static members, behind one Envoy; their metrics
+    addresses go to `metrics`."""
     procs = []
     addrs: list[HostPort] = []
     try:
@@ -37,9 +42,11 @@ def pool_front(
             argv += ["--mooncake-bootstrap-port", str(pool.bootstrap_port), *args]
             for member in pool.prefills:
                 argv += ["--prefill", str(member)]
-            proc, addr, _ = start_pdproc(workdir, argv, name=f"pdproc{index}")
+            proc, addr, metrics_addr = start_pdproc(workdir, argv, name=f"pdproc{index}")
             procs.append(proc)
             addrs.append(addr)
+            if metrics is not None:
+                metrics.append(metrics_addr)
         envoy = start_envoy(workdir, pool.decodes, addrs)
         procs.append(envoy.process)
         yield envoy
@@ -85,9 +92,10 @@ def cache_hits(pool: SimPool) -> float:
 
 
 def test_conversations_stick_to_a_pod_and_spread_over_the_pool(tmp_path: Path) -> None:
+    metrics: list[HostPort] = []
     with (
         running_pool(tmp_path, 3, prefill_args=CACHE, decode_args=CACHE) as pool,
-        pool_front(tmp_path, pool) as envoy,
+        pool_front(tmp_path, pool, metrics=metrics) as envoy,
         httpx.Client(timeout=30) as client,
     ):
         names = [f"conv{i}" for i in range(12)]
@@ -101,6 +109,11 @@ def test_conversations_stick_to_a_pod_and_spread_over_the_pool(tmp_path: Path) -
         assert len({next(iter(pods)) for pods in where.values()}) >= 2, where
         # Every later turn found at least the system prompt and the earlier turns cached.
         assert cache_hits(pool) >= 12 * 2 * len(SYSTEM) // 4 * 0.9
+        # Every later turn was a prefix choice, every first turn a home one.
+        choices = "pdproc_pool_choices_total"
+        assert scrape_metric(metrics[0], choices, reason="prefix") >= 12 * 2
+        assert scrape_metric(metrics[0], choices, reason="home") >= 6
+        assert scrape_metric(metrics[0], "pdproc_prefix_index_blocks") > 0
 
 
 def test_replicas_agree_without_shared_state(tmp_path: Path) -> None:
