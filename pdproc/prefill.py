@@ -76,10 +76,7 @@ _DROP_HEADERS = frozenset(
     }
 )
 
-# Outcomes that say nothing about the pod: never held against it (pdproc's own failure, the
-# client leaving, pdproc out of descriptors or memory).
 _OK = PrefillResult.OK  # (a module constant: enum attribute access is slow on Python 3.11)
-NOT_THE_POD = frozenset({PrefillResult.INTERNAL, PrefillResult.CANCELLED, PrefillResult.EXHAUSTED})
 
 
 def prefill_headers(

@@ -26,6 +26,7 @@ from pdproc.extproc_wire import Body, read_request, write_response
 from pdproc.ledger import Ledger
 from pdproc.metrics import Metrics
 from pdproc.outcomes import Outcome, PrefillResult
+from pdproc.pod_verdict import Verdict
 from pdproc.prefill import PrefillJob, PrefillOutcome
 from pdproc.processors import Deps, RequestContext
 from pdproc.targets import HostPort
@@ -69,6 +70,10 @@ class FakeEngines:
 
     def invalidate(self, target: HostPort) -> None:
         self.invalidated.append(target)
+
+    def learn(self, target: HostPort, verdict: Verdict) -> None:
+        if verdict.map_may_be_stale:  # the rule pdproc.engine_maps.EngineMaps.learn follows
+            self.invalidated.append(target)
 
 
 class FakeLauncher:
