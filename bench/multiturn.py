@@ -49,6 +49,7 @@ from pdproc_sim.poolstack import SimPool, running_pool
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.stack import cpu_delta, router_binary, tree_cpu
+from pdproc.targets import HostPort
 
 CONFIGS = ("random", "least-loaded", "prefix", "prefix-2w", "cache-aware")
 PDPROC_ARGS = {
@@ -128,6 +129,7 @@ class Run:
     computed_per_pod: list[float] = field(default_factory=list)
     cpu_s: float | None = None
     rss_mib: float | None = None
+    index_blocks: float | None = None  # pdproc_prefix_index_blocks at the end
     wall_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
@@ -149,6 +151,7 @@ class Run:
             "work_max_mean": _max_mean(self.computed_per_pod),
             "cpu_s": self.cpu_s,
             "rss_mib": self.rss_mib,
+            "index_blocks": self.index_blocks,
             "wall_s": self.wall_s,
         }
 
@@ -251,8 +254,8 @@ def _read_pods(pool: SimPool, run: Run) -> None:
 
 
 @contextlib.contextmanager
-def _front(config: str, pool: SimPool, workdir: Path) -> Iterator[tuple[str, int]]:
-    """The configuration's front door (URL) and its processor's pid."""
+def _front(config: str, pool: SimPool, workdir: Path) -> Iterator[tuple[str, int, HostPort | None]]:
+    """The configuration's front door (URL), its processor's pid and (pdproc) metrics."""
     procs: list[devstack.Process] = []
     try:
         if config in PDPROC_ARGS:
@@ -260,15 +263,15 @@ def _front(config: str, pool: SimPool, workdir: Path) -> Iterator[tuple[str, int
             args += ["--mooncake-bootstrap-port", str(pool.bootstrap_port)]
             for member in pool.prefills:
                 args += ["--prefill", str(member)]
-            proc, addr, _ = devstack.start_pdproc(
+            proc, addr, metrics = devstack.start_pdproc(
                 workdir, [*args, *PDPROC_ARGS[config]], name=f"pdproc-{config}"
             )
             procs.append(proc)
             envoy = devstack.start_envoy(workdir, pool.decodes, [addr])
             procs.append(envoy.process)
-            yield envoy.url, proc.popen.pid
+            yield envoy.url, proc.popen.pid, metrics
         else:
-            yield _start_router(config, pool, workdir, procs)
+            yield (*_start_router(config, pool, workdir, procs), None)
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -317,7 +320,7 @@ def one_run(
         running_pool(
             workdir, timing.prefill_pods, timing.decodes, prefill_args, decode_args
         ) as pool,
-        _front(config, pool, workdir) as (url, pid),
+        _front(config, pool, workdir) as (url, pid, metrics),
     ):
         before = tree_cpu(pid)
         started = time.perf_counter()
@@ -329,6 +332,8 @@ def one_run(
             pids = [pid, *tree_cpu(pid).stat.keys()]
             run.rss_mib = sum(devstack.resident_bytes(p) for p in set(pids)) / 2**20
         _read_pods(pool, run)
+        if metrics is not None:
+            run.index_blocks = devstack.scrape_metric(metrics, "pdproc_prefix_index_blocks")
     return run
 
 
@@ -338,8 +343,8 @@ def table(summaries: list[dict[str, Any]], configs: Sequence[str]) -> str:
     lines = [
         "| workload | config | prefill tokens computed | vs least-loaded | hit rate | KV "
         "tokens transferred | TTFT p50 s | p50 vs LL | TTFT p99 s | p99 vs LL | prefills/pod "
-        "max/mean | computed/pod max/mean | CPU s | RSS MiB | errors |",
-        "|" + "---|" * 15,
+        "max/mean | computed/pod max/mean | CPU s | RSS MiB | index blocks | errors |",
+        "|" + "---|" * 16,
     ]
     workloads = sorted({s["workload"] for s in summaries}, key=list(WORKLOADS).index)
     for workload in workloads:
@@ -391,6 +396,7 @@ def _row(
         _fmt(_median(rows, "work_max_mean")),
         _fmt(_median(rows, "cpu_s")),
         _fmt(_median(rows, "rss_mib"), 0),
+        _fmt(_median(rows, "index_blocks"), 0),
         str(sum(r["errors"] for r in rows)),
     ]
     return "| " + " | ".join(cells) + " |"
