@@ -8,15 +8,52 @@ the request to the member that likely holds its prompt's prefix. No I/O.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
+import msgspec
+
+from pdproc.connectors import ClientRequest
 from pdproc.prefix_affinity import PrefixAffinity, Prompt
 from pdproc.targets import HostPort
 
 # Members whose engine map was seen, at most (beyond, the oldest memo is dropped): a DNS
 # pool that churns cannot grow this without bound.
 _SEEN_CAP = 4096
+# Predictions awaiting the prefill's answer, at most (the oldest are dropped beyond).
+_PREDICTIONS_CAP = 4096
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    prompt_tokens_details: _Details | None = None
+
+
+class _Answer(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_ANSWER = msgspec.json.Decoder(_Answer)
+
+
+def cached_share(answer: bytes) -> float | None:
+    """The share of the prompt a prefill's answer says it found cached (vLLM's
+    usage.prompt_tokens_details.cached_tokens over usage.prompt_tokens), or None when the
+    answer does not say (or says nonsense: a pod's answer may be hostile)."""
+    try:
+        usage = _ANSWER.decode(answer).usage
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if usage is None or usage.prompt_tokens_details is None:
+        return None
+    cached, prompt = usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens
+    if cached is None or prompt is None or prompt <= 0 or not 0 <= cached <= prompt:
+        return None
+    return cached / prompt
 
 
 class PrefixPool:
@@ -31,7 +68,14 @@ class PrefixPool:
         balance: float,
         on_choice: Callable[[str], None] | None = None,
         on_index: Callable[[int], None] | None = None,
+        reads_answers: bool = False,
     ) -> None:
+        # Whether prefill answers come back read (a sequential connector's): then each
+        # prediction waits for the pod's own count of cached tokens.
+        self._reads_answers = reads_answers
+        self._predictions: collections.OrderedDict[str, tuple[HostPort, int, Prompt]] = (
+            collections.OrderedDict()
+        )
         self._on_choice = on_choice
         self._on_index = on_index
         self._members = members
@@ -42,18 +86,34 @@ class PrefixPool:
         self._engines: dict[HostPort, Mapping[int, str]] = {}
         self._last_members: frozenset[HostPort] = frozenset()
 
-    def refine(self, body: Mapping[str, Any], provisional: HostPort) -> HostPort:
-        """The member to prefill this body: the one the affinity names, or `provisional`
+    def refine(self, request: ClientRequest, provisional: HostPort) -> HostPort:
+        """The member to prefill this request: the one the affinity names, or `provisional`
         (the header-time pick) when that one cannot be used."""
         members = self._members()
         self._forget_departed(members)
         usable = [m for m in members if not self._is_open(m)]
-        choice = self.affinity.choose(Prompt.of(body), usable, self._in_flight)
+        prompt = Prompt.of(request.parsed)
+        choice = self.affinity.choose(prompt, usable, self._in_flight)
         if choice is None or (choice.pod != provisional and not self._allow(choice.pod)):
             self._chose("kept")
             return provisional
         self._chose(choice.reason)
+        if self._reads_answers and request.request_id:
+            predictions = self._predictions
+            predictions[request.request_id] = (choice.pod, choice.matched_blocks, prompt)
+            if len(predictions) > _PREDICTIONS_CAP:
+                predictions.popitem(last=False)
         return choice.pod
+
+    def answered(self, request_id: str, target: HostPort, answer: bytes | None) -> None:
+        """A prefill ended: its answer (when read) tells how much the pod found cached."""
+        prediction = self._predictions.pop(request_id, None)
+        if prediction is None or answer is None:
+            return
+        pod, matched, prompt = prediction
+        share = cached_share(answer) if pod == target else None
+        if share is not None:
+            self.affinity.reported(pod, matched, prompt, share)
 
     def _chose(self, reason: str) -> None:
         if self._on_choice is not None:

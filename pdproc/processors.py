@@ -128,9 +128,9 @@ class Deps:
     engines_seen: Callable[[HostPort, EngineMap], None] | None = None
 
 
-# The pool policy's second look, once the body is known: (parsed body, header-time pick) ->
-# the member to use.
-Refine = Callable[[Mapping[str, Any], HostPort], HostPort]
+# The pool policy's second look, once the body is known: (request, header-time pick) -> the
+# member to use.
+Refine = Callable[[ClientRequest, HostPort], HostPort]
 
 
 class RequestContext:
@@ -358,7 +358,7 @@ class Disaggregated:
         as it arrived, all but its tail."""
         started = time.perf_counter()
         if self._refine is not None:
-            self._retarget(self._refine(request.parsed, self._target))
+            self._retarget(self._refine(request, self._target))
         engines: EngineMap | None = None
         if self._uses_engines:
             try:

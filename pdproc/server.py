@@ -32,7 +32,7 @@ from pdproc.http_site import BoundedTCPSite
 from pdproc.listeners import PortInUse
 from pdproc.metrics import MULTIPROC_ENV, Metrics
 from pdproc.pod_http import new_session
-from pdproc.prefill import PrefillLauncher
+from pdproc.prefill import OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.service import ExtProcService, pod_feedback
 from pdproc.targets import AllowList, HostPort
 from pdproc.telemetry import Tracing
@@ -102,7 +102,7 @@ class Server:
             timeout_s=s.prefill_timeout,
             tracing=self.tracing,
             log_bodies=s.log_bodies,
-            on_outcome=pod_feedback(breakers, engines),
+            on_outcome=self._prefill_ended(pod_feedback(breakers, engines)),
         )
         self._dns = DnsPool(s.prefill_dns, s.dns_refresh) if s.prefill_dns else None
         if self._dns is not None:
@@ -154,6 +154,16 @@ class Server:
                 "kv_connector": s.kv_connector.value,
             },
         )
+
+    def _prefill_ended(self, feedback: OutcomeHook) -> OutcomeHook:
+        """The pods' feedback, then the pool policy's (it learns from the answers)."""
+
+        def on_outcome(job: PrefillJob, outcome: PrefillOutcome) -> None:
+            feedback(job, outcome)
+            if self.service is not None:
+                self.service.prefill_ended(job, outcome)
+
+        return on_outcome
 
     def _breaker_changed(self, target: HostPort, is_open: bool) -> None:
         self.metrics.breaker_changed(target, is_open)

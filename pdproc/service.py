@@ -92,6 +92,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 balance=settings.prefix_balance,
                 on_choice=lambda reason: metrics.pool_choices.labels(reason).inc(),
                 on_index=metrics.prefix_index_blocks.set,
+                reads_answers=not isinstance(connector, Concurrent),
             )
         self.deps = Deps(
             settings=settings,
@@ -206,6 +207,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if self.dns_pool is None:
             return self.settings.prefill
         return self.settings.prefill + self.dns_pool.members
+
+    def prefill_ended(self, job: PrefillJob, outcome: PrefillOutcome) -> None:
+        if self.prefix_pool is not None:
+            self.prefix_pool.answered(job.request_id, job.target, outcome.answer)
 
     def breaker_changed(self, target: HostPort, is_open: bool) -> None:
         if is_open and self.prefix_pool is not None:

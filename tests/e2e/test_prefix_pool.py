@@ -142,3 +142,19 @@ def test_least_loaded_restores_the_old_choice(tmp_path: Path) -> None:
             conversation_turns(client, envoy.url, f"conv{i}", 2)
         where = served_by(pool)
         assert {next(iter(pods)) for pods in where.values()} == {0}
+
+
+def test_nixl_pool_reads_the_cached_tokens_each_prefill_reports(tmp_path: Path) -> None:
+    """NIXL v2: pdproc reads each prefill's answer, so the pods' own count of cached tokens
+    reaches the policy; conversations still stick, and the pods found their turns cached."""
+    nixl = ("--kv-connector", "nixlv2")
+    with (
+        running_pool(tmp_path, 3, prefill_args=(*CACHE, *nixl), decode_args=nixl) as pool,
+        pool_front(tmp_path, pool, args=nixl) as envoy,
+        httpx.Client(timeout=30) as client,
+    ):
+        for i in range(6):
+            conversation_turns(client, envoy.url, f"conv{i}", 3, f"{i} {SYSTEM}")
+        where = served_by(pool)
+        assert all(len(pods) == 1 for pods in where.values()), where
+        assert cache_hits(pool) >= 6 * 2 * len(SYSTEM) // 4 * 0.9

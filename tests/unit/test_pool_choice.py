@@ -5,20 +5,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdproc.pool_choice import PrefixPool
+import msgspec
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdproc.connectors import ClientRequest
+from pdproc.pool_choice import PrefixPool, cached_share
+from pdproc.prefix_affinity import MIN_BLOCKS_PER_POD
+from pdproc.request_body import parse_body
 from pdproc.targets import HostPort
 
 PODS = [HostPort(f"10.0.0.{i}", 8000) for i in range(1, 4)]
 SYSTEM = "Be brief. " * 100
 
 
-def body(question: str) -> dict[str, Any]:
+def body(question: str, model: str = "m", request_id: str = "") -> ClientRequest:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-    return {"model": "m", "messages": messages}
+    raw = msgspec.json.encode({"model": model, "messages": messages})
+    return ClientRequest("/v1/chat/completions", raw, parse_body(raw), request_id)
 
 
 class World:
-    def __init__(self) -> None:
+    def __init__(self, *, reads_answers: bool = False) -> None:
         self.members = list(PODS)
         self.open: set[HostPort] = set()
         self.refused: set[HostPort] = set()
@@ -32,6 +40,7 @@ class World:
             blocks_per_pod=1000,
             balance=1.25,
             on_choice=self.reasons.append,
+            reads_answers=reads_answers,
         )
 
 
@@ -73,7 +82,7 @@ def test_new_engine_ids_drop_what_the_pod_held() -> None:
 def test_members_leaving_the_pool_lose_their_sets() -> None:
     w = World()
     for index in range(12):
-        w.pool.refine(body(f"q{index}") | {"model": f"m{index}"}, PODS[0])
+        w.pool.refine(body(f"q{index}", model=f"m{index}"), PODS[0])
     assert len(w.pool.affinity.known()) >= 2
     w.members = [PODS[0]]
     assert w.pool.refine(body("q1"), PODS[0]) == PODS[0]
@@ -85,3 +94,46 @@ def test_no_usable_member_keeps_the_header_pick() -> None:
     w.open.update(PODS)
     assert w.pool.refine(body("q1"), PODS[2]) == PODS[2]
     assert w.reasons == ["kept"]
+
+
+def answer(cached: Any, prompt: Any = 1000) -> bytes:
+    usage = {"prompt_tokens": prompt, "prompt_tokens_details": {"cached_tokens": cached}}
+    return msgspec.json.encode({"id": "x", "usage": usage})
+
+
+def test_cached_share_reads_vllms_usage() -> None:
+    assert cached_share(answer(250)) == 0.25
+    assert cached_share(b'{"usage": {"prompt_tokens": 4, "prompt_tokens_details": null}}') is None
+
+
+@given(st.one_of(st.binary(max_size=200), st.builds(answer, st.integers(), st.integers())))
+def test_cached_share_of_any_answer_is_a_share_or_none(raw: bytes) -> None:
+    share = cached_share(raw)
+    assert share is None or 0 <= share <= 1
+
+
+def test_a_pod_reporting_fewer_cached_tokens_than_predicted_shrinks_its_set() -> None:
+    def remembered(cached: int) -> int:
+        w = World(reads_answers=True)
+        home = w.pool.refine(body("q0", request_id="r0"), PODS[0])
+        for index in range(1, 40):
+            question = f"q{index} " * 200  # blocks of its own beyond the system prompt's
+            chosen = w.pool.refine(body(question, request_id=f"r{index}"), PODS[0])
+            assert chosen == home
+            w.pool.answered(f"r{index}", home, answer(cached))
+        return w.pool.affinity.known()[home]
+
+    assert remembered(cached=1000) > MIN_BLOCKS_PER_POD  # as predicted: all kept
+    assert remembered(cached=0) == MIN_BLOCKS_PER_POD  # it held nothing: the set shrinks
+
+
+def test_answers_without_a_prediction_or_from_another_pod_teach_nothing() -> None:
+    w = World(reads_answers=True)
+    home = w.pool.refine(body("q0", request_id="r0"), PODS[0])
+    w.pool.refine(body("q1", request_id="r1"), PODS[0])
+    before = dict(w.pool.affinity.known())
+    other = next(p for p in PODS if p != home)
+    w.pool.answered("r1", other, answer(0))
+    w.pool.answered("unknown", home, answer(0))
+    w.pool.answered("r0", home, None)
+    assert w.pool.affinity.known() == before
