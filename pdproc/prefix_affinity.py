@@ -71,11 +71,12 @@ def _member_bytes(value: Any, limit: int) -> bytes | memoryview:
         return b""
 
 
-def prompt_bytes(body: Mapping[str, Any]) -> bytes:
+def prompt_parts(body: Mapping[str, Any]) -> list[bytes | memoryview]:
     """The model and the prompt member of an OpenAI-style body (or vLLM's
-    /inference/v1/generate) as the client wrote them: a conversation's next turn repeats the
-    previous turn's messages, so its bytes start with theirs. Engines serving other models
-    share no cache, so the model comes first."""
+    /inference/v1/generate) as the client wrote them, as views of the body (a long prompt
+    is not copied): a conversation's next turn repeats the previous turn's messages, so its
+    bytes start with theirs. Engines serving other models share no cache, so the model
+    comes first."""
     limit = MAX_PROMPT_BLOCKS * BLOCK_BYTES
     model = body.get("model")
     parts = [_member_bytes(model, 256) if model is not None else b"", b"\x1e"]
@@ -84,20 +85,42 @@ def prompt_bytes(body: Mapping[str, Any]) -> bytes:
             parts.append(name.encode())
             parts.append(_member_bytes(body[name], limit))
             break
-    return b"".join(parts)
+    return parts
 
 
-def block_keys(data: bytes) -> list[int]:
-    """The prefix keys of data's full 256-byte blocks and its partial last one (a key per
-    block: the hash of all bytes up to its end)."""
+def prompt_bytes(body: Mapping[str, Any]) -> bytes:
+    """prompt_parts joined."""
+    return b"".join(prompt_parts(body))
+
+
+def keys_of(parts: Sequence[bytes | memoryview]) -> tuple[list[int], int]:
+    """The prefix keys of the parts' bytes taken together, cut into 256-byte blocks (the
+    partial last one included; a key per block: the hash of all bytes up to its end), and
+    how many bytes were keyed (at most MAX_PROMPT_BLOCKS blocks)."""
     hasher = hashlib.blake2b(digest_size=8)
     keys: list[int] = []
-    view = memoryview(data)
-    end = min(len(data), MAX_PROMPT_BLOCKS * BLOCK_BYTES)
-    for start in range(0, end, BLOCK_BYTES):
-        hasher.update(view[start : start + BLOCK_BYTES])
+    room = BLOCK_BYTES
+    size = 0
+    limit = MAX_PROMPT_BLOCKS * BLOCK_BYTES
+    for part in parts:
+        view = memoryview(part)[: limit - size]
+        size += len(view)
+        while view:
+            piece = view[:room]
+            hasher.update(piece)
+            room -= len(piece)
+            view = view[len(piece) :]
+            if not room:
+                keys.append(int.from_bytes(hasher.digest(), "little"))
+                room = BLOCK_BYTES
+    if room != BLOCK_BYTES:
         keys.append(int.from_bytes(hasher.digest(), "little"))
-    return keys
+    return keys, size
+
+
+def block_keys(data: bytes | memoryview) -> list[int]:
+    """The prefix keys of one byte string."""
+    return keys_of([data])[0]
 
 
 def _mix(value: int) -> int:
@@ -122,8 +145,8 @@ class Prompt:
 
     @classmethod
     def of(cls, body: Mapping[str, Any]) -> Prompt:
-        data = prompt_bytes(body)
-        return cls(tuple(block_keys(data)), len(data))
+        keys, size = keys_of(prompt_parts(body))
+        return cls(tuple(keys), size)
 
     @property
     def home_key(self) -> int:

@@ -70,7 +70,8 @@ def main() -> int:
     p90 = times[int(len(times) * 0.9) - 1]
     sys.stdout.write(
         f"prompt {args.bytes} B, {args.pods} pods, {args.blocks_per_pod} blocks/pod: "
-        f"pick median {statistics.median(times):.1f} us, p90 {p90:.1f} us; "
+        f"pick best batch {times[0]:.1f} us, median {statistics.median(times):.1f} us, "
+        f"p90 {p90:.1f} us; "
         f"index {index_bytes / 2**20:.1f} MiB for {affinity.blocks} blocks "
         f"({index_bytes / max(1, affinity.blocks):.0f} B/block)\n"
     )

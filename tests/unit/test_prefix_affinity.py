@@ -15,6 +15,7 @@ from pdproc.prefix_affinity import (
     PrefixAffinity,
     Prompt,
     block_keys,
+    keys_of,
     prompt_bytes,
 )
 from pdproc.request_body import parse_body
@@ -196,3 +197,17 @@ def test_forget_and_retain_drop_what_pods_held() -> None:
 
 def test_no_members_no_choice() -> None:
     assert PrefixAffinity[str]().choose(Prompt.of({}), (), idle) is None
+
+
+@given(st.lists(st.binary(max_size=700), max_size=6))
+def test_keys_of_parts_are_the_keys_of_their_bytes(parts: list[bytes]) -> None:
+    keys, size = keys_of(parts)
+    assert keys == block_keys(b"".join(parts))
+    assert size == len(b"".join(parts))
+
+
+def test_a_prompt_is_keyed_from_views_of_the_body() -> None:
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 5000 + b'"}]}'
+    prompt = Prompt.of(parse_body(raw))
+    assert prompt.keys == tuple(block_keys(prompt_bytes(parse_body(raw))))
+    assert prompt.size == len(prompt_bytes(parse_body(raw)))
