@@ -36,7 +36,7 @@ from opentelemetry.trace import Span, SpanKind
 from pdproc.connectors import EngineMap
 from pdproc.errors import shown
 from pdproc.metrics import Metrics
-from pdproc.pod_http import locally_exhausted, read_at_most
+from pdproc.pod_http import locally_exhausted, peer_gone, read_at_most
 from pdproc.pod_verdict import Verdict, of_bootstrap
 from pdproc.targets import HostPort
 from pdproc.telemetry import ATTR_CACHE, ATTR_ENGINES, ATTR_TARGET, Tracing, fail
@@ -215,6 +215,11 @@ class EngineMaps:
         # shield: one waiter going away (its stream ended) must not cancel the shared query.
         return await asyncio.shield(future)
 
+    async def query_now(self, target: HostPort) -> EngineMap:
+        """A fresh answer from the pod's bootstrap server (a probe), cached like any."""
+        future = self._pending.get(target.host) or self._start_query(target)
+        return await asyncio.shield(future)
+
     def learn(self, target: HostPort, verdict: Verdict) -> None:
         """Act on what a prefill said about its pod: a pod that may have restarted is asked
         again next time."""
@@ -278,14 +283,19 @@ class EngineMaps:
                 status = response.status
                 payload = await read_at_most(response.content, MAX_QUERY_BYTES)
         except TimeoutError:
-            raise BootstrapError(f"failed to query bootstrap endpoint {url}: timed out") from None
+            # No answer in --bootstrap-timeout: the pod cannot be used (the breaker opens
+            # at once, its probes find it back) whether its node or only its port is cut off.
+            raise BootstrapError(
+                f"failed to query bootstrap endpoint {url}: timed out",
+                of_bootstrap(reached=False, local=False),
+            ) from None
         except (aiohttp.ClientError, OSError) as exc:
             if locally_exhausted(exc):
                 raise BootstrapError(
                     f"pdproc is out of resources ({exc}): bootstrap endpoint {url} not queried",
                     of_bootstrap(reached=False, local=True),
                 ) from None
-            if isinstance(exc, aiohttp.ClientConnectorError):
+            if isinstance(exc, aiohttp.ClientConnectorError) or peer_gone(exc):
                 raise BootstrapError(
                     f"failed to query bootstrap endpoint {url}: {exc}",
                     of_bootstrap(reached=False, local=False),

@@ -118,13 +118,6 @@ def _check_value(value: msgspec.Raw) -> None:
 _CHECKED = frozenset({dict, list, int})
 
 
-def value_of(members: Mapping[str, Any], key: str) -> Any:
-    """A member's value as Python data (a Raw member is decoded; a test's plain dict is read
-    as it is)."""
-    value = members[key]
-    return msgspec.json.decode(value) if isinstance(value, msgspec.Raw) else value
-
-
 def dumps(data: Mapping[str, Any]) -> bytes:
     """Serialise a body pdproc built: Raw members are copied as the client's bytes."""
     return _encode(data)

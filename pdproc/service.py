@@ -9,7 +9,7 @@ processor that answers it (see processors.py).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from typing import Any
 
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -31,9 +31,12 @@ from pdproc.picker import (
     Forbidden,
     NoTarget,
     Pick,
+    Rotation,
     Unavailable,
+    choose_member,
     pick_target,
 )
+from pdproc.pod_load import PodLoad
 from pdproc.pod_verdict import of_prefill
 from pdproc.pool_choice import PrefixPool
 from pdproc.prefill import OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
@@ -80,6 +83,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._static_pool = frozenset(settings.prefill)
         self.draining = False  # shutting down: no new prefills, the decode serves alone
         self._outcome_counters: dict[tuple[str, str, str], Any] = {}
+        self.load = PodLoad(launcher.in_flight)
+        self._tie = Rotation()
         self.budget = ByteBudget(settings.max_inflight_bytes, metrics.bodies_bytes.set)
         self.prefix_pool: PrefixPool | None = None
         if settings.pool_policy is PoolPolicy.PREFIX:
@@ -87,7 +92,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 self.pool,
                 is_open=breakers.is_open,
                 allow=breakers.allow,
-                in_flight=launcher.in_flight,
+                in_flight=self.load,
                 blocks_per_pod=settings.prefix_blocks_per_pod,
                 balance=settings.prefix_balance,
                 on_choice=lambda reason: metrics.pool_choices.labels(reason).inc(),
@@ -102,6 +107,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             launcher=launcher,
             pod_failed=breakers.record,
             admits=self.admits,
+            load=self.load,
+            reroute=self.reroute,
+            refine=self.prefix_pool.refine if self.prefix_pool else None,
             engines_seen=self.prefix_pool.engines_seen if self.prefix_pool else None,
         )
 
@@ -154,7 +162,15 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             allow=self.settings.prefill_allow,
             in_pool=self.is_pool_member,
             breaker_allows=self.breakers.allow,
-            in_flight=self.launcher.in_flight,
+            load=self.load,
+            tie=self._tie,
+        )
+
+    def reroute(self, tried: Collection[HostPort]) -> HostPort | None:
+        """Another usable pool member than those `tried`, for a request whose bootstrap
+        query failed before anything was sent."""
+        return choose_member(
+            self.pool(), usable=self.breakers.allow, load=self.load, excluded=tried
         )
 
     def _processor_for(self, pick: Pick, context: RequestContext, abort: Abort) -> RequestProcessor:
@@ -179,15 +195,19 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """The prefill/decode pair for `target`, of the connector's kind."""
         # Pool mode may leave a short prompt to the decode; an endpoint picker's choice is kept.
         min_prompt = self.settings.pd_min_prompt if from_pool else 0
-        # Only pdproc's own choice is refined by the prompt; an endpoint picker's is kept.
-        refine = self.prefix_pool.refine if from_pool and self.prefix_pool else None
         connector = self.connector
         if isinstance(connector, Concurrent):
             return ConcurrentPair(
-                context, self.deps, connector, target, abort, min_prompt=min_prompt, refine=refine
+                context,
+                self.deps,
+                connector,
+                target,
+                abort,
+                min_prompt=min_prompt,
+                from_pool=from_pool,
             )
         return SequentialPair(
-            context, self.deps, connector, target, min_prompt=min_prompt, refine=refine
+            context, self.deps, connector, target, min_prompt=min_prompt, from_pool=from_pool
         )
 
     def ledger(self, path: str) -> Ledger:

@@ -149,17 +149,6 @@ class Concurrent:
             facts=plan.facts,
         )
 
-    def legs(
-        self,
-        request: ClientRequest,
-        target: HostPort,
-        engines: EngineMap | None,
-        busy_ranks: Mapping[int, int],
-    ) -> Legs:
-        """Both legs of one request."""
-        plan = self.plan(target, engines, busy_ranks)
-        return self.prefill_leg(request, plan, self.decode_leg(request, plan))
-
 
 Connector: TypeAlias = Concurrent | Sequential
 """Every connector is one of the two kinds; the processor that runs a P/D pair is chosen by

@@ -222,7 +222,7 @@ def test_prefill_restart_with_new_engine_id_loses_no_request(
     to the decode's silent wait. Then both fronts serve P/D again.
 
     pdproc pairs no request with an engine map older than --engine-cache-ttl (15 s, below any
-    real restart; issue 19 item 11). The code before that change kept maps 60 s and passed
+    real restart). The code before that change kept maps 60 s and passed
     this test too on this machine, whose engines take minutes to restart (longer than 60 s);
     the next test shows on the real pair what a map older than the restart costs."""
     prefill, _ = pair

@@ -1,5 +1,4 @@
-"""Issue 19, items 3 and 9: what a hostile prefill pod inside the allow list can answer, per
-connector.
+"""What a hostile prefill pod inside the allow list can answer, per connector.
 
 NIXL v2 is the connector whose decode leg is built from the prefill's answer: its
 `kv_transfer_params` name the side channel (`remote_host`, `remote_port`) the decode connects
@@ -129,7 +128,7 @@ async def test_nixl_answer_the_decode_may_not_get_means_decode_alone(
 async def test_nixl_deeply_nested_answer_is_decode_alone_not_500(
     pod: HostilePod, make_pdproc: MakePd
 ) -> None:
-    """Item 9's reproduction: valid fields plus one nested deeper than orjson writes."""
+    """The reproduction: valid fields plus one nested deeper than orjson writes."""
     pod.on_prefill = nixl_answer(good_params(remote_prefill_cached_tokens=nested(300)))
     pd = await make_pdproc(pod, kv_connector=KvConnector.NIXLV2)
     outcome = await pd.play(CHAT_BYTES, prefill=pod.address)

@@ -1,4 +1,4 @@
-"""Issue 19, item 4 and its rule: every route of the generated Envoy config either goes
+"""Every route of the generated Envoy config either goes
 through pdproc and the kv guard, or cannot reach a pod with KV transfer fields.
 
 vLLM 0.32 reads `kv_transfer_params` on far more routes than the P/D ones (`/invocations`,

@@ -1,4 +1,4 @@
-"""Issue 19, item 2: a client's own KV transfer fields, for every connector, on every path.
+"""A client's own KV transfer fields, for every connector, on every path.
 
 The fields tell a decode where to pull KV from: vLLM's `kv_transfer_params` and SGLang's
 `bootstrap_host` / `bootstrap_port` / `bootstrap_room` (plus its pairing key and the prefill
