@@ -200,6 +200,13 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+        self.dns_lookups = Counter(
+            "pdproc_dns_lookups",
+            "--prefill-dns lookups, by outcome (ok, empty, error, timeout); all but ok keep "
+            "the last good pool.",
+            ["outcome"],
+            registry=r,
+        )
         self.streams_active = Gauge(
             "pdproc_streams_active",
             "ext_proc streams currently open.",

@@ -94,7 +94,7 @@ class Server:
             tracing=self.tracing,
             siblings=_siblings(),
         )
-        self._dns = DnsPool(s.prefill_dns, s.dns_refresh) if s.prefill_dns else None
+        self._dns = self._dns_pool()
         if self._dns is not None:
             await self._dns.start()
         is_member = _membership(s.prefill, self._dns)
@@ -138,6 +138,13 @@ class Server:
         self._breaker_sweep = loop.create_task(_sweep(breakers))
         self._prober = loop.create_task(prober.run())
         return service
+
+    def _dns_pool(self) -> DnsPool | None:
+        s = self.settings
+        if not s.prefill_dns:
+            return None
+        lookups = self.metrics.dns_lookups
+        return DnsPool(s.prefill_dns, s.dns_refresh, on_lookup=lambda o: lookups.labels(o).inc())
 
     async def start(self) -> None:
         s = self.settings

