@@ -132,7 +132,8 @@ def test_replicas_agree_without_shared_state(tmp_path: Path) -> None:
 
 
 def test_least_loaded_restores_the_old_choice(tmp_path: Path) -> None:
-    """--pool-policy least-loaded: one request at a time always finds the first member idle."""
+    """--pool-policy least-loaded: one request at a time finds every member idle, and equal
+    members take turns, whatever each holds: a conversation's turns land on other pods."""
     with (
         running_pool(tmp_path, 3, prefill_args=CACHE) as pool,
         pool_front(tmp_path, pool, args=["--pool-policy", "least-loaded"]) as envoy,
@@ -141,7 +142,8 @@ def test_least_loaded_restores_the_old_choice(tmp_path: Path) -> None:
         for i in range(4):
             conversation_turns(client, envoy.url, f"conv{i}", 2)
         where = served_by(pool)
-        assert {next(iter(pods)) for pods in where.values()} == {0}
+        assert any(len(pods) > 1 for pods in where.values()), where
+        assert set().union(*where.values()) == {0, 1, 2}
 
 
 def test_nixl_pool_reads_the_cached_tokens_each_prefill_reports(tmp_path: Path) -> None:
