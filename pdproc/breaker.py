@@ -8,9 +8,7 @@ let through as a probe and the breaker stays shut to the others meanwhile; the p
 success closes it, its failure re-opens it. A probe whose outcome never comes just leads to
 another probe after the cooldown. Pure state machine with an injected clock.
 
-A target a request header names (not a pool member) is judged with its host: a client can
-name any port of an allowed host, and rotating ports must not keep a failing host's breaker
-closed. Only pods with failures have state, and at most `max_targets` of them (the least
+Only pods with failures have state, and at most `max_targets` of them (the least
 recently failing are forgotten, i.e. closed): targets can come from a header, so their
 number must not grow with what clients send. An open breaker nobody asked about for
 `max_cooldown_s` after its cooldown ended is forgotten too (`forget_unasked`): without
@@ -62,14 +60,11 @@ class CircuitBreakers:
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[HostPort, bool], None] | None = None,
         max_targets: int = 1024,
-        key: Callable[[HostPort], HostPort] = lambda target: target,
         probed: Callable[[HostPort], bool] = lambda target: False,
     ) -> None:
-        """`key` says whose record a target's outcomes go to (a header-named target's: its
-        host's, whatever port was named). An open breaker of a `probed` target (a pool
+        """An open breaker of a `probed` target (a pool
         member) lets no client request through: pdproc probes it in the background
         (`due`, then `record` the probe's verdict), so no client pays for a probe."""
-        self._key = key
         self._probed = probed
         self._threshold = max(1, threshold)
         self._max_cooldown = max_cooldown_s
@@ -101,7 +96,7 @@ class CircuitBreakers:
 
     def allow(self, target: HostPort) -> bool:
         """May a request use this target now? When half-open, only the first asker may."""
-        state = self._states.get(self._key(target))
+        state = self._states.get(target)
         if state is None or state.open_until is None:
             return True
         now = self._clock()
@@ -125,14 +120,13 @@ class CircuitBreakers:
         return targets
 
     def is_open(self, target: HostPort) -> bool:
-        state = self._states.get(self._key(target))
+        state = self._states.get(target)
         return state is not None and state.open_until is not None
 
     def record(self, target: HostPort, verdict: Verdict) -> None:
         """Feed what a prefill or a bootstrap query said about the pod (pdproc.pod_verdict)."""
         if verdict is Verdict.NOT_THE_POD:
             return
-        target = self._key(target)
         state = self._states.get(target)
         if verdict.pod_is_up:
             if state is not None:

@@ -282,13 +282,16 @@ class EngineMaps:
             ) as response:
                 status = response.status
                 payload = await read_at_most(response.content, MAX_QUERY_BYTES)
-        except TimeoutError:
-            # No answer in --bootstrap-timeout: the pod cannot be used (the breaker opens
-            # at once, its probes find it back) whether its node or only its port is cut off.
+        except aiohttp.ConnectionTimeoutError:
+            # Not even a connection (a silent node, a partition): the pod is down.
             raise BootstrapError(
-                f"failed to query bootstrap endpoint {url}: timed out",
+                f"failed to query bootstrap endpoint {url}: connect timed out",
                 of_bootstrap(reached=False, local=False),
             ) from None
+        except TimeoutError:
+            # Connected, then no answer in --bootstrap-timeout: a failure, counted toward
+            # the breaker's threshold (a slow moment must not shut a pod off at once).
+            raise BootstrapError(f"failed to query bootstrap endpoint {url}: timed out") from None
         except (aiohttp.ClientError, OSError) as exc:
             if locally_exhausted(exc):
                 raise BootstrapError(

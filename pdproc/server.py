@@ -103,7 +103,6 @@ class Server:
             s.breaker_cooldown,
             on_change=self._breaker_changed,
             max_targets=s.max_targets,
-            key=lambda target: target if is_member(target) else HostPort(target.host, 0),
             probed=is_member,
         )
         launcher = PrefillLauncher(

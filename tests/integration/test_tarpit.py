@@ -5,8 +5,7 @@ host) that accept a connection and never answer. pdproc's prefill connections ar
 (8) and a header-named host may take 2 of them, so the tarpit never holds the connections
 the pool's requests need: the healthy pool pod serves every other request, none of its
 prefills is counted against it, and its breaker stays closed. The hostile requests end
-`exhausted` (503) or `timeout` (504), and their failures are held against their host,
-whatever port they named.
+`exhausted` (503) or `timeout` (504).
 """
 
 from __future__ import annotations

@@ -105,17 +105,6 @@ def test_an_open_breaker_with_requests_is_kept() -> None:
         assert breakers.is_open(POD)
 
 
-def test_header_named_ports_are_judged_with_their_host() -> None:
-    def key(target: HostPort) -> HostPort:
-        return target if target == POD else HostPort(target.host, 0)
-
-    breakers = CircuitBreakers(3, 30.0, key=key)
-    for port in (9001, 9002, 9003):  # a client rotating ports of one host
-        breakers.record(HostPort(POD.host, port), Verdict.FAILED)
-    assert not breakers.allow(HostPort(POD.host, 9004))
-    assert breakers.allow(POD)  # the pool member on that host keeps its own record
-
-
 def test_a_probed_target_lets_no_client_through_and_is_due_for_its_probe() -> None:
     clock = Clock()
     breakers = CircuitBreakers(1, 30.0, clock=clock, probed=lambda target: target == POD)
