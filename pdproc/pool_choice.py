@@ -9,6 +9,7 @@ the request to the member that likely holds its prompt's prefix. No I/O.
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
@@ -22,6 +23,10 @@ from pdproc.targets import HostPort
 _SEEN_CAP = 4096
 # Predictions awaiting the prefill's answer, at most (the oldest are dropped beyond).
 _PREDICTIONS_CAP = 4096
+# A member whose prefill just failed is left out of the prefix choice this long: a
+# conversation's home that went silent would otherwise get every turn until its breaker
+# opens.
+SUSPECT_S = 5.0
 
 
 class _Details(msgspec.Struct):
@@ -69,7 +74,10 @@ class PrefixPool:
         on_choice: Callable[[str], None] | None = None,
         on_index: Callable[[int], None] | None = None,
         reads_answers: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._clock = clock
+        self._failed: dict[HostPort, float] = {}
         # Whether prefill answers come back read (a sequential connector's): then each
         # prediction waits for the pod's own count of cached tokens.
         self._reads_answers = reads_answers
@@ -91,12 +99,13 @@ class PrefixPool:
         (the header-time pick) when that one cannot be used."""
         members = self._members()
         self._forget_departed(members)
-        usable = [m for m in members if not self._is_open(m)]
+        usable = [m for m in members if not self._is_open(m) and not self._suspect(m)]
         prompt = Prompt.of(request.parsed)
         choice = self.affinity.choose(prompt, usable, self._in_flight)
         if choice is None or (choice.pod != provisional and not self._allow(choice.pod)):
             self._chose("kept")
             return provisional
+        # (A suspect provisional pick is left for the one the policy named.)
         self._chose(choice.reason)
         if self._reads_answers and request.request_id:
             predictions = self._predictions
@@ -142,6 +151,23 @@ class PrefixPool:
         if previous is None and len(self._engines) >= _SEEN_CAP:
             self._engines.pop(next(iter(self._engines)))
         self._engines[target] = dict(engines)
+
+    def _suspect(self, member: HostPort) -> bool:
+        failed = self._failed.get(member)
+        if failed is None:
+            return False
+        if self._clock() - failed < SUSPECT_S:
+            return True
+        del self._failed[member]
+        return False
+
+    def prefill_failed(self, target: HostPort) -> None:
+        """The pod failed a prefill (its own fault): not chosen for its cache for a while,
+        and what it held is not counted on."""
+        if len(self._failed) >= _SEEN_CAP:
+            self._failed.clear()
+        self._failed[target] = self._clock()
+        self.affinity.forget(target)
 
     def breaker_opened(self, target: HostPort) -> None:
         """A failing pod may come back restarted: what it held is not counted on."""

@@ -37,7 +37,7 @@ from pdproc.picker import (
     pick_target,
 )
 from pdproc.pod_load import PodLoad
-from pdproc.pod_verdict import of_prefill
+from pdproc.pod_verdict import Verdict, of_prefill
 from pdproc.pool_choice import PrefixPool
 from pdproc.prefill import OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.processors import (
@@ -229,8 +229,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return self.settings.prefill + self.dns_pool.members
 
     def prefill_ended(self, job: PrefillJob, outcome: PrefillOutcome) -> None:
-        if self.prefix_pool is not None:
-            self.prefix_pool.answered(job.request_id, job.target, outcome.answer)
+        if self.prefix_pool is None:
+            return
+        self.prefix_pool.answered(job.request_id, job.target, outcome.answer)
+        verdict = of_prefill(outcome.outcome)
+        if verdict in (Verdict.DOWN, Verdict.FAILED) and self.is_pool_member(job.target):
+            self.prefix_pool.prefill_failed(job.target)
 
     def breaker_changed(self, target: HostPort, is_open: bool) -> None:
         if is_open and self.prefix_pool is not None:

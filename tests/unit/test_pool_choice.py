@@ -137,3 +137,23 @@ def test_answers_without_a_prediction_or_from_another_pod_teach_nothing() -> Non
     w.pool.answered("unknown", home, answer(0))
     w.pool.answered("r0", home, None)
     assert w.pool.affinity.known() == before
+
+
+def test_a_member_whose_prefill_failed_is_left_out_for_a_while() -> None:
+    now = [0.0]
+    w = World()
+    w.pool = PrefixPool(
+        lambda: tuple(w.members),
+        is_open=w.open.__contains__,
+        allow=lambda pod: True,
+        in_flight=lambda pod: 0,
+        blocks_per_pod=1000,
+        balance=1.25,
+        clock=lambda: now[0],
+    )
+    home = w.pool.refine(body("q1"), PODS[0])
+    w.pool.prefill_failed(home)
+    moved = w.pool.refine(body("q1"), home)
+    assert moved != home  # not even as the header-time pick
+    now[0] = 10.0
+    assert w.pool.refine(body("q1"), PODS[0]) == moved  # it stays where its cache now is
