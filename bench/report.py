@@ -25,6 +25,8 @@ VERSUS = (
     ("pdproc-defaults", "floor"),
     ("pdproc-defaults", "pdproc"),
     ("pdproc-buffered", "pdproc"),
+    ("pdproc-nohold", "pdproc"),
+    ("pdproc-nohold", "floor"),
     ("pdproc-buffered", "floor"),
     ("pdproc-auto-workers", "floor"),
     ("pdproc-defaults", "direct-pd"),

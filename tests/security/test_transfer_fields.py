@@ -34,6 +34,7 @@ HOSTILE_VALUES: dict[str, Any] = {
         "remote_engine_id": "x",
         "transfer_id": "t",
     },
+    "ec_transfer_params": {"do_remote_prefill": True, "remote_host": "169.254.169.254"},
     "bootstrap_host": "169.254.169.254",
     "bootstrap_port": 80,
     "bootstrap_room": 12345,

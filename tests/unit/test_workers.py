@@ -60,7 +60,7 @@ def test_worker_count() -> None:
     assert worker_count(replace(fixed, workers=0)) == usable_cpus()
     # Port 0: each process would pick its own port; one process.
     assert worker_count(replace(fixed, workers=0, listen=HostPort("127.0.0.1", 0))) == 1
-    assert Settings().workers == 1  # one process unless asked: replicas scale out
+    assert Settings().workers == 0
 
 
 def test_each_worker_gets_its_share_of_the_totals() -> None:
