@@ -129,6 +129,9 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
         "prefill_allow",
         "pd_path",
         "pd_min_prompt",
+        "pool_policy",
+        "prefix_blocks_per_pod",
+        "prefix_balance",
     ),
     "KV connector and bootstrap": (
         "kv_connector",

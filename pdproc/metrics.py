@@ -172,6 +172,21 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.pool_choices = Counter(
+            "pdproc_pool_choices",
+            "Pool mode's prefix policy, per request: prefix (a member holding part of the "
+            "prompt won), home (none did: the prompt's home), balance or kept (the "
+            "header-time pick stayed).",
+            ["reason"],
+            registry=r,
+        )
+        self.prefix_index_blocks = Gauge(
+            "pdproc_prefix_index_blocks",
+            "Prompt blocks the prefix policy remembers, all pool members together (about "
+            "120 bytes each).",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.breaker_open = Gauge(
             _BREAKER_OPEN,
             "1 while the circuit breaker of a prefill target is open.",

@@ -116,6 +116,11 @@ class Deps:
     # Another usable pool member, none of those given, for a request whose pod's bootstrap
     # query failed before anything was sent to it; None when there is none.
     reroute: Callable[[Collection[HostPort]], HostPort | None]
+    # The pool policy's second look at a request pdproc placed, once its body is known
+    # (the header-time pick given): the member to use.
+    refine: Callable[[ClientRequest, HostPort], HostPort] | None = None
+    # A pod's engine ids, each time a request gets them (the pool policy's news of restarts).
+    engines_seen: Callable[[HostPort, EngineMap], None] | None = None
 
 
 class RequestContext:
@@ -372,12 +377,16 @@ class Disaggregated:
         prefill launched, and the body's answer. `streamed`: the body went on to the decode
         as it arrived, all but its tail."""
         started = time.perf_counter()
+        if self._from_pool and self._deps.refine is not None:
+            self._refine(request, self._deps.refine)
         engines: EngineMap | None = None
         if self._uses_engines:
             found = await self._engine_map()
             if isinstance(found, BootstrapError):
                 return self._no_engines(found, request, streamed)
             engines = found
+            if self._deps.engines_seen is not None:
+                self._deps.engines_seen(self._target, engines)
         busy = self._deps.launcher.in_flight_by_rank(self._target)
         try:
             answer = self._launch_legs(request, engines, busy, streamed)
@@ -415,6 +424,19 @@ class Disaggregated:
                 if other is None:
                     return exc
                 self._move_to(other, exc)
+
+    def _refine(
+        self, request: ClientRequest, refine: Callable[[ClientRequest, HostPort], HostPort]
+    ) -> None:
+        """The pool policy may move the request to another member (its own claim is not
+        counted while the policy weighs the loads)."""
+        self._claim.release()
+        target = refine(request, self._target)
+        self._claim = self._deps.load.claim(target)
+        if target != self._target:
+            self._target = target
+            if self.context.span is not None:
+                self.context.span.set_attribute(ATTR_TARGET, str(target))
 
     def _other_member(self, tried: Collection[HostPort]) -> HostPort | None:
         if not self._from_pool or len(tried) >= BOOTSTRAP_TRIES:

@@ -33,7 +33,7 @@ from pdproc.http_site import BoundedTCPSite
 from pdproc.listeners import PortInUse
 from pdproc.metrics import MULTIPROC_ENV, Metrics
 from pdproc.pod_http import new_session
-from pdproc.prefill import PrefillLauncher
+from pdproc.prefill import OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.probes import Prober
 from pdproc.service import ExtProcService, pod_feedback
 from pdproc.slots import Slots
@@ -111,7 +111,7 @@ class Server:
             timeout_s=s.prefill_timeout,
             tracing=self.tracing,
             log_bodies=s.log_bodies,
-            on_outcome=pod_feedback(breakers, engines),
+            on_outcome=self._prefill_ended(pod_feedback(breakers, engines)),
             slots=Slots(s.max_prefill_connections, s.max_named_host_connections),
             named_host=lambda target: None if is_member(target) else target.host,
         )
@@ -182,8 +182,20 @@ class Server:
             },
         )
 
+    def _prefill_ended(self, feedback: OutcomeHook) -> OutcomeHook:
+        """The pods' feedback, then the pool policy's (it learns from the answers)."""
+
+        def on_outcome(job: PrefillJob, outcome: PrefillOutcome) -> None:
+            feedback(job, outcome)
+            if self.service is not None:
+                self.service.prefill_ended(job, outcome)
+
+        return on_outcome
+
     def _breaker_changed(self, target: HostPort, is_open: bool) -> None:
         self.metrics.breaker_changed(target, is_open)
+        if self.service is not None:
+            self.service.breaker_changed(target, is_open)
         log.warning(
             "prefill circuit breaker %s",
             "opened" if is_open else "closed",

@@ -16,7 +16,7 @@ from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.breaker import CircuitBreakers
 from pdproc.budget import ByteBudget
-from pdproc.config import BootstrapPolicy, Settings
+from pdproc.config import BootstrapPolicy, PoolPolicy, Settings
 from pdproc.connectors import Concurrent, Connector
 from pdproc.discovery import DnsPool
 from pdproc.engine_maps import EngineMaps
@@ -37,7 +37,8 @@ from pdproc.picker import (
     pick_target,
 )
 from pdproc.pod_load import PodLoad
-from pdproc.pod_verdict import of_prefill
+from pdproc.pod_verdict import Verdict, of_prefill
+from pdproc.pool_choice import PrefixPool
 from pdproc.prefill import OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.processors import (
     Abort,
@@ -85,6 +86,19 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.load = PodLoad(launcher.in_flight)
         self._tie = Rotation()
         self.budget = ByteBudget(settings.max_inflight_bytes, metrics.bodies_bytes.set)
+        self.prefix_pool: PrefixPool | None = None
+        if settings.pool_policy is PoolPolicy.PREFIX:
+            self.prefix_pool = PrefixPool(
+                self.pool,
+                is_open=breakers.is_open,
+                allow=breakers.allow,
+                in_flight=self.load,
+                blocks_per_pod=settings.prefix_blocks_per_pod,
+                balance=settings.prefix_balance,
+                on_choice=lambda reason: metrics.pool_choices.labels(reason).inc(),
+                on_index=metrics.prefix_index_blocks.set,
+                reads_answers=not isinstance(connector, Concurrent),
+            )
         self.deps = Deps(
             settings=settings,
             metrics=metrics,
@@ -95,6 +109,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             admits=self.admits,
             load=self.load,
             reroute=self.reroute,
+            refine=self.prefix_pool.refine if self.prefix_pool else None,
+            engines_seen=self.prefix_pool.engines_seen if self.prefix_pool else None,
         )
 
     async def Process(
@@ -211,6 +227,18 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if self.dns_pool is None:
             return self.settings.prefill
         return self.settings.prefill + self.dns_pool.members
+
+    def prefill_ended(self, job: PrefillJob, outcome: PrefillOutcome) -> None:
+        if self.prefix_pool is None:
+            return
+        self.prefix_pool.answered(job.request_id, job.target, outcome.answer)
+        verdict = of_prefill(outcome.outcome)
+        if verdict in (Verdict.DOWN, Verdict.FAILED) and self.is_pool_member(job.target):
+            self.prefix_pool.prefill_failed(job.target)
+
+    def breaker_changed(self, target: HostPort, is_open: bool) -> None:
+        if is_open and self.prefix_pool is not None:
+            self.prefix_pool.breaker_opened(target)
 
     def admits(self, address: HostPort) -> bool:
         """Whether the gateway lets `address` be a KV source a prefill pod names (NIXL's side

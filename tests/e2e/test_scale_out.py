@@ -151,7 +151,10 @@ def test_a_pool_member_whose_bootstrap_hangs_costs_no_request(tmp_path: Path) ->
                 tmp_path,
                 # The hung member first: a picker that prefers the first of equals hits it.
                 ["--prefill", second, "--prefill", str(st.sim.prefill), "--bootstrap-timeout", "1",
-                 "--mooncake-bootstrap-port", str(boot)],
+                 "--mooncake-bootstrap-port", str(boot),
+                 # turns reach the hanging member whatever the prompt (the prefix policy
+                 # would keep this one repeated prompt on its home)
+                 "--pool-policy", "least-loaded"],
                 name="pdproc-pool",
             )  # fmt: skip
             st.extra.append(proc)

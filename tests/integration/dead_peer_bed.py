@@ -15,6 +15,7 @@ from dataclasses import replace
 import orjson
 from pdproc_sim import PrefillConfig, start_prefill
 
+from pdproc.config import PoolPolicy
 from pdproc.server import Server
 from pdproc.targets import HostPort
 from tests.envoy_side import Pdproc
@@ -38,6 +39,9 @@ async def main(dead_peer_s: float) -> None:
     settings = replace(
         base_settings(first),
         prefill=members,
+        # Turns reach the silent pod whatever the prompt (the prefix policy would keep this
+        # one repeated prompt on its home, which may be the other pod).
+        pool_policy=PoolPolicy.LEAST_LOADED,
         prefill_timeout=60.0,
         bootstrap_timeout=1.0,
         dead_peer_timeout=dead_peer_s,

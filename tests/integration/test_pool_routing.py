@@ -18,6 +18,7 @@ import pytest
 from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
 from pdproc_sim.devstack import free_port
 
+from pdproc.config import PoolPolicy
 from pdproc.targets import HostPort
 from tests.waiting import eventually_async
 
@@ -45,9 +46,13 @@ def member(pod: RunningPrefill) -> HostPort:
 
 
 async def pool_pdproc(
-    make_harness: Callable[..., Any], members: list[HostPort], prefill: RunningPrefill
+    make_harness: Callable[..., Any],
+    members: list[HostPort],
+    prefill: RunningPrefill,
+    **settings: Any,
 ) -> Harness:
     h: Harness = await make_harness(
+        **settings,
         prefill=tuple(members),
         mooncake_bootstrap_port=prefill.bootstrap_port,
         bootstrap_timeout=1.0,
@@ -72,7 +77,10 @@ def prefill(pods: list[RunningPrefill]) -> RunningPrefill:
 async def test_equal_members_share_sequential_requests(
     make_harness: Callable[..., Any], pods: list[RunningPrefill]
 ) -> None:
-    h = await pool_pdproc(make_harness, [member(p) for p in pods], pods[0])
+    # Equal turns are the least-loaded policy's; the prefix policy (the default) keeps a
+    # repeated prompt on the member that holds it.
+    least = PoolPolicy.LEAST_LOADED
+    h = await pool_pdproc(make_harness, [member(p) for p in pods], pods[0], pool_policy=least)
     hosts = Counter()
     for _ in range(60):
         outcome = await h.play()
@@ -85,7 +93,10 @@ async def test_equal_members_share_sequential_requests(
 async def test_a_hanging_bootstrap_server_costs_no_request(
     make_harness: Callable[..., Any], pods: list[RunningPrefill]
 ) -> None:
-    h = await pool_pdproc(make_harness, [member(p) for p in pods], pods[0])
+    # Least-loaded turns send requests to every member, the hanging one included (the
+    # prefix policy would keep this one repeated prompt on its home, which may not be it).
+    least = PoolPolicy.LEAST_LOADED
+    h = await pool_pdproc(make_harness, [member(p) for p in pods], pods[0], pool_policy=least)
     pods[1].state.faults.bootstrap_delay_s = 30.0  # its /query never answers in time
     outcomes = [await h.play() for _ in range(30)]
     assert all(o.disaggregated for o in outcomes), [o.status for o in outcomes]
@@ -101,7 +112,10 @@ async def test_a_member_that_refuses_connections_is_probed_by_pdproc_not_by_clie
     make_harness: Callable[..., Any], pods: list[RunningPrefill]
 ) -> None:
     closed = HostPort(HOSTS[0], free_port())  # its host's bootstrap server answers
-    h = await pool_pdproc(make_harness, [member(pods[0]), closed], pods[0])
+    # Least-loaded turns reach the closed member (the prefix policy would keep this one
+    # repeated prompt on its home, which may be the open one).
+    least = PoolPolicy.LEAST_LOADED
+    h = await pool_pdproc(make_harness, [member(pods[0]), closed], pods[0], pool_policy=least)
     outcomes = [await h.play() for _ in range(8)]
     failed = [o for o in outcomes if not o.disaggregated]
     assert len(failed) <= 1  # the one in flight on it when it was found down
