@@ -202,6 +202,35 @@ CASES = [
         10,
         [{"severity": "warning", "namespace": NS, "target": "10.0.0.7:8000"}],
     ),
+    # The served certificate's not-after is 2000 s after the epoch promtool starts at.
+    Case(
+        "certificate-expires-soon-fires",
+        "PdprocCertificateExpiresSoon",
+        [
+            gauge(
+                f'pdproc_tls_certificate_expiry_timestamp_seconds{{job="pdproc", '
+                f'namespace="{NS}", pod="pdproc-0", certificate="served"}}',
+                2000,
+                30,
+            )
+        ],
+        20,
+        [{"severity": "warning", "namespace": NS, "pod": "pdproc-0", "certificate": "served"}],
+    ),
+    # Renewed: 90 days left.
+    Case(
+        "certificate-renewed-quiet",
+        "PdprocCertificateExpiresSoon",
+        [
+            gauge(
+                f'pdproc_tls_certificate_expiry_timestamp_seconds{{job="pdproc", '
+                f'namespace="{NS}", pod="pdproc-0", certificate="served"}}',
+                90 * 86400,
+                30,
+            )
+        ],
+        20,
+    ),
     # A breaker that opened and closed again within the 5 minutes.
     Case(
         "breaker-flapping-quiet",
