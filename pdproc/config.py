@@ -182,7 +182,11 @@ class Settings:
         parse_host_port,
         repeat=True,
     )
-    dns_refresh: float = _setting(10.0, "Seconds between --prefill-dns resolutions.", _positive)
+    dns_refresh: float = _setting(
+        1.0,
+        "Seconds between --prefill-dns resolutions; each lookup may take at most 0.8 of it.",
+        _positive,
+    )
     prefill_allow: AllowList = _setting(
         AllowList(),
         "CIDR, host name or * allowed as a prefill target taken from the "
@@ -290,8 +294,26 @@ class Settings:
     shutdown_delay: float = _setting(
         2.0, "Seconds to keep serving after SIGTERM (NOT_SERVING).", _non_negative
     )
+    dead_peer_timeout: float = _setting(
+        5.0,
+        "How long a prefill pod's node may leave what pdproc sent, or a keepalive probe, "
+        "unacknowledged before the pod is taken for dead (TCP_USER_TIMEOUT and TCP "
+        "keepalive on pod connections; a pod's compute never delays it), seconds; 0: no "
+        "bound.",
+        _non_negative,
+    )
     max_prefill_connections: int = _setting(
-        1024, "Connection pool size for prefill requests.", _count
+        1024,
+        "Prefill connections pdproc keeps open at once; a prefill waits for a free one "
+        "(counted `exhausted`, never against the pod, when none frees within "
+        "--prefill-timeout).",
+        _count,
+    )
+    max_named_host_connections: int = _setting(
+        64,
+        "Of those, the most one host named by a request header (not a pool member) may "
+        "take; past it that host's prefills are `exhausted` at once.",
+        _count,
     )
     max_targets: int = _setting(
         1024,

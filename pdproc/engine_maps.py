@@ -36,7 +36,8 @@ from opentelemetry.trace import Span, SpanKind
 from pdproc.connectors import EngineMap
 from pdproc.errors import shown
 from pdproc.metrics import Metrics
-from pdproc.pod_http import locally_exhausted, read_at_most
+from pdproc.pod_http import locally_exhausted, peer_gone, read_at_most
+from pdproc.pod_verdict import Verdict, of_bootstrap
 from pdproc.targets import HostPort
 from pdproc.telemetry import ATTR_CACHE, ATTR_ENGINES, ATTR_TARGET, Tracing, fail
 
@@ -56,17 +57,13 @@ MAX_ENGINE_ID_CHARS = 256
 
 
 class BootstrapError(Exception):
-    """The bootstrap server's answer cannot be used.
+    """The bootstrap server's answer cannot be used; `verdict` says what that says about the
+    pod (pdproc.pod_verdict): `DOWN` when the server could not even be reached, `NOT_THE_POD`
+    when pdproc itself ran out of resources (descriptors, memory), else `FAILED`."""
 
-    `pod_down` says the server could not even be reached: the prefill pod itself is gone.
-    `local` says pdproc itself ran out of resources (descriptors, memory): not the pod's
-    fault, never held against it.
-    """
-
-    def __init__(self, message: str, *, pod_down: bool = False, local: bool = False) -> None:
+    def __init__(self, message: str, verdict: Verdict = Verdict.FAILED) -> None:
         super().__init__(message)
-        self.pod_down = pod_down
-        self.local = local
+        self.verdict = verdict
 
 
 def parse_engine_map(payload: bytes) -> EngineMap:
@@ -218,6 +215,17 @@ class EngineMaps:
         # shield: one waiter going away (its stream ended) must not cancel the shared query.
         return await asyncio.shield(future)
 
+    async def query_now(self, target: HostPort) -> EngineMap:
+        """A fresh answer from the pod's bootstrap server (a probe), cached like any."""
+        future = self._pending.get(target.host) or self._start_query(target)
+        return await asyncio.shield(future)
+
+    def learn(self, target: HostPort, verdict: Verdict) -> None:
+        """Act on what a prefill said about its pod: a pod that may have restarted is asked
+        again next time."""
+        if verdict.map_may_be_stale:
+            self.invalidate(target)
+
     def invalidate(self, target: HostPort) -> None:
         """Forget the pod's map, unless it was fetched within the last second: failures
         come in bursts (and a client can aim them at a pod's other ports), but one fresh
@@ -274,17 +282,26 @@ class EngineMaps:
             ) as response:
                 status = response.status
                 payload = await read_at_most(response.content, MAX_QUERY_BYTES)
+        except aiohttp.ConnectionTimeoutError:
+            # Not even a connection (a silent node, a partition): the pod is down.
+            raise BootstrapError(
+                f"failed to query bootstrap endpoint {url}: connect timed out",
+                of_bootstrap(reached=False, local=False),
+            ) from None
         except TimeoutError:
+            # Connected, then no answer in --bootstrap-timeout: a failure, counted toward
+            # the breaker's threshold (a slow moment must not shut a pod off at once).
             raise BootstrapError(f"failed to query bootstrap endpoint {url}: timed out") from None
         except (aiohttp.ClientError, OSError) as exc:
             if locally_exhausted(exc):
                 raise BootstrapError(
                     f"pdproc is out of resources ({exc}): bootstrap endpoint {url} not queried",
-                    local=True,
+                    of_bootstrap(reached=False, local=True),
                 ) from None
-            if isinstance(exc, aiohttp.ClientConnectorError):
+            if isinstance(exc, aiohttp.ClientConnectorError) or peer_gone(exc):
                 raise BootstrapError(
-                    f"failed to query bootstrap endpoint {url}: {exc}", pod_down=True
+                    f"failed to query bootstrap endpoint {url}: {exc}",
+                    of_bootstrap(reached=False, local=False),
                 ) from None
             raise BootstrapError(
                 f"failed to query bootstrap endpoint {url}: {type(exc).__name__}"

@@ -141,6 +141,19 @@ class Metrics:
             ["when"],
             registry=r,
         )
+        self.probes = Counter(
+            "pdproc_prefill_probes",
+            "Background probes of pool members whose breaker is open, by what they found "
+            "(up: the breaker closed; down: it stays open).",
+            ["result"],
+            registry=r,
+        )
+        self.reroutes = Counter(
+            "pdproc_bootstrap_reroutes",
+            "P/D requests moved to another prefill pool member because the chosen one's "
+            "bootstrap query failed before anything was sent to it.",
+            registry=r,
+        )
         self.processing_seconds = Histogram(
             "pdproc_request_processing_seconds",
             "Time spent inside the processor on the request path (headers + body messages).",
@@ -171,6 +184,13 @@ class Metrics:
             "Request-body bytes held by streams being processed (bounded by --max-inflight-bytes).",
             registry=r,
             multiprocess_mode="livesum",
+        )
+        self.dns_lookups = Counter(
+            "pdproc_dns_lookups",
+            "--prefill-dns lookups, by outcome (ok, empty, error, timeout); all but ok keep "
+            "the last good pool.",
+            ["outcome"],
+            registry=r,
         )
         self.streams_active = Gauge(
             "pdproc_streams_active",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,7 +29,6 @@ from opentelemetry.trace import Span
 
 from pdproc import extproc_messages as msg
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from pdproc.breaker import POD_DOWN
 from pdproc.budget import BodyBytes, ByteBudget
 from pdproc.config import BootstrapPolicy, Settings
 from pdproc.connectors import (
@@ -49,6 +48,8 @@ from pdproc.extproc_wire import Body
 from pdproc.ledger import Ledger
 from pdproc.metrics import Metrics
 from pdproc.outcomes import Outcome, PrefillResult
+from pdproc.pod_load import PodLoad
+from pdproc.pod_verdict import Verdict
 from pdproc.prefill import PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.request_body import BodyError, members, parse_body
 from pdproc.streamed_body import TAIL, StreamedBody, parse_content_length
@@ -58,12 +59,13 @@ from pdproc.telemetry import ATTR_CONNECTOR, ATTR_STREAMED, ATTR_TARGET, fail, t
 log = logging.getLogger(__name__)
 
 BODY_LOG_BYTES = 4096
+# Pool members a request's bootstrap query is tried on before it fails (or is served by the
+# decode alone): a bound, so a pool whose bootstrap servers all fail costs a few queries.
+BOOTSTRAP_TRIES = 3
 _OVERLOADED = ErrorReply(
     ErrorKind.OVERLOADED, "too many request bytes in flight at this gateway; retry later"
 )
 _TRAILERS = ErrorReply(ErrorKind.BAD_REQUEST, "request trailers are not supported on P/D paths")
-# What the breakers are told when a pod's bootstrap server answers unusably.
-_BOOTSTRAP_FAILED = "bootstrap"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +106,15 @@ class Deps:
     budget: ByteBudget  # --max-inflight-bytes
     engines: EngineLookup
     launcher: PrefillLauncher  # tests hand in a stand-in of the same shape
-    # A pod's bootstrap server failed (held against the pod: the circuit breakers' record).
-    pod_failed: Callable[[HostPort, str], None]
+    # What a pod's failed bootstrap query says about it (the circuit breakers' record).
+    pod_failed: Callable[[HostPort, Verdict], None]
     # Whether the gateway admits an address as a KV source (NIXL's side channel).
     admits: Callable[[HostPort], bool]
+    # Requests assigned to each pod before their prefill runs (counted as its load).
+    load: PodLoad
+    # Another usable pool member, none of those given, for a request whose pod's bootstrap
+    # query failed before anything was sent to it; None when there is none.
+    reroute: Callable[[Collection[HostPort]], HostPort | None]
 
 
 class RequestContext:
@@ -305,11 +312,14 @@ class Disaggregated:
         target: HostPort,
         *,
         min_prompt: int = 0,
+        from_pool: bool = False,
     ) -> None:
         self.context = context
         self._deps = deps
         self._uses_engines = connector.uses_engines
         self._target = target
+        self._claim = deps.load.claim(target)
+        self._from_pool = from_pool  # pdproc's choice: another member may stand in
         self._min_prompt = min_prompt
         self._job: PrefillJob | None = None
         self._response_seen = False
@@ -358,10 +368,10 @@ class Disaggregated:
         started = time.perf_counter()
         engines: EngineMap | None = None
         if self._uses_engines:
-            try:
-                engines = await self._deps.engines.get(self._target, self.context.span)
-            except BootstrapError as exc:
-                return self._no_engines(exc, request, streamed)
+            found = await self._engine_map()
+            if isinstance(found, BootstrapError):
+                return self._no_engines(found, request, streamed)
+            engines = found
         in_flight_by_rank = self._deps.launcher.in_flight_by_rank(self._target)
         try:
             answer = self._launch_legs(request, engines, in_flight_by_rank, streamed)
@@ -382,13 +392,49 @@ class Disaggregated:
         and return the body's answer."""
         raise NotImplementedError
 
+    async def _engine_map(self) -> EngineMap | BootstrapError:
+        """The target's engine map. Nothing was sent to a pod yet, so when its bootstrap
+        query fails a request pdproc placed moves to another usable member (at most
+        BOOTSTRAP_TRIES pods in all); the last failure when none could serve."""
+        tried: list[HostPort] = []
+        while True:
+            try:
+                return await self._deps.engines.get(self._target, self.context.span)
+            except BootstrapError as exc:
+                if exc.verdict is Verdict.NOT_THE_POD:
+                    return exc
+                self._deps.pod_failed(self._target, exc.verdict)
+                tried.append(self._target)
+                other = self._other_member(tried)
+                if other is None:
+                    return exc
+                self._move_to(other, exc)
+
+    def _other_member(self, tried: Collection[HostPort]) -> HostPort | None:
+        if not self._from_pool or len(tried) >= BOOTSTRAP_TRIES:
+            return None
+        return self._deps.reroute(tried)
+
+    def _move_to(self, target: HostPort, exc: BootstrapError) -> None:
+        log.warning(
+            "bootstrap query failed, trying another pool member: %s",
+            exc,
+            extra=self.context.log_fields(prefill_target=str(self._target), next=str(target)),
+        )
+        self._deps.metrics.reroutes.inc()
+        self._claim.release()
+        self._target = target
+        self._claim = self._deps.load.claim(target)
+        if self.context.span is not None:
+            self.context.span.set_attribute(ATTR_TARGET, str(target))
+
     def _no_engines(
         self, exc: BootstrapError, request: ClientRequest, streamed: StreamedBody | None
     ) -> msg.Answer:
-        """No engine map for the pod: reject the request, or let the decode do it alone."""
-        if exc.local:
+        """No engine map for any pod tried: reject the request, or let the decode do it
+        alone."""
+        if exc.verdict is Verdict.NOT_THE_POD:
             return self.context.reject(_exhausted(exc))
-        self._deps.pod_failed(self._target, POD_DOWN if exc.pod_down else _BOOTSTRAP_FAILED)
         reply = ErrorReply(ErrorKind.BOOTSTRAP, str(exc))
         if self._deps.settings.on_bootstrap_error is BootstrapPolicy.REJECT:
             return self.context.reject(reply)
@@ -412,6 +458,7 @@ class Disaggregated:
             log_fields=excerpt,
             keep_answer=keep_answer,
         )
+        self._claim.release()  # the launcher counts it now
         if self.context.span is not None:
             for key, value in legs.facts.items():
                 self.context.span.set_attribute(f"pdproc.{key}", value)
@@ -458,6 +505,7 @@ class Disaggregated:
 
     def close(self, *, abandoned: bool) -> Outcome | None:
         self._budget.release()
+        self._claim.release()
         self._let_go_after_prefill()
         if not abandoned or self.context.finished:
             return None
@@ -483,8 +531,11 @@ class SequentialPair(Disaggregated):
         target: HostPort,
         *,
         min_prompt: int = 0,
+        from_pool: bool = False,
     ) -> None:
-        super().__init__(context, deps, connector, target, min_prompt=min_prompt)
+        super().__init__(
+            context, deps, connector, target, min_prompt=min_prompt, from_pool=from_pool
+        )
         self._connector = connector
 
     def _launch_legs(
@@ -559,8 +610,11 @@ class ConcurrentPair(Disaggregated):
         abort: Abort,
         *,
         min_prompt: int = 0,
+        from_pool: bool = False,
     ) -> None:
-        super().__init__(context, deps, connector, target, min_prompt=min_prompt)
+        super().__init__(
+            context, deps, connector, target, min_prompt=min_prompt, from_pool=from_pool
+        )
         self._connector = connector
         self._abort = abort
         self._streamed: StreamedBody | None = None

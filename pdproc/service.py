@@ -9,12 +9,12 @@ processor that answers it (see processors.py).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from typing import Any
 
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from pdproc.breaker import POD_DOWN, CircuitBreakers
+from pdproc.breaker import CircuitBreakers
 from pdproc.budget import ByteBudget
 from pdproc.config import BootstrapPolicy, Settings
 from pdproc.connectors import Concurrent, Connector
@@ -31,10 +31,14 @@ from pdproc.picker import (
     Forbidden,
     NoTarget,
     Pick,
+    Rotation,
     Unavailable,
+    choose_member,
     pick_target,
 )
-from pdproc.prefill import NOT_THE_POD, OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
+from pdproc.pod_load import PodLoad
+from pdproc.pod_verdict import of_prefill
+from pdproc.prefill import OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.processors import (
     Abort,
     ConcurrentPair,
@@ -78,6 +82,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._static_pool = frozenset(settings.prefill)
         self.draining = False  # shutting down: no new prefills, the decode serves alone
         self._outcome_counters: dict[tuple[str, str, str], Any] = {}
+        self.load = PodLoad(launcher.in_flight)
+        self._tie = Rotation()
         self.budget = ByteBudget(settings.max_inflight_bytes, metrics.bodies_bytes.set)
         self.deps = Deps(
             settings=settings,
@@ -87,6 +93,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             launcher=launcher,
             pod_failed=breakers.record,
             admits=self.admits,
+            load=self.load,
+            reroute=self.reroute,
         )
 
     async def Process(
@@ -138,7 +146,15 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             allow=self.settings.prefill_allow,
             in_pool=self.is_pool_member,
             breaker_allows=self.breakers.allow,
-            in_flight=self.launcher.in_flight,
+            load=self.load,
+            tie=self._tie,
+        )
+
+    def reroute(self, tried: Collection[HostPort]) -> HostPort | None:
+        """Another usable pool member than those `tried`, for a request whose bootstrap
+        query failed before anything was sent."""
+        return choose_member(
+            self.pool(), usable=self.breakers.allow, load=self.load, excluded=tried
         )
 
     def _processor_for(self, pick: Pick, context: RequestContext, abort: Abort) -> RequestProcessor:
@@ -166,9 +182,17 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         connector = self.connector
         if isinstance(connector, Concurrent):
             return ConcurrentPair(
-                context, self.deps, connector, target, abort, min_prompt=min_prompt
+                context,
+                self.deps,
+                connector,
+                target,
+                abort,
+                min_prompt=min_prompt,
+                from_pool=from_pool,
             )
-        return SequentialPair(context, self.deps, connector, target, min_prompt=min_prompt)
+        return SequentialPair(
+            context, self.deps, connector, target, min_prompt=min_prompt, from_pool=from_pool
+        )
 
     def ledger(self, path: str) -> Ledger:
         """A ledger for a stream that never became a request (its first message unreadable,
@@ -219,13 +243,8 @@ def pod_feedback(breakers: CircuitBreakers, engines: EngineMaps) -> OutcomeHook:
     """What a prefill's outcome teaches about its pod (the launcher calls it for each)."""
 
     def on_prefill_outcome(job: PrefillJob, outcome: PrefillOutcome) -> None:
-        if outcome.outcome in NOT_THE_POD:
-            return  # pdproc's own failure, or the client leaving, says nothing about the pod
-        breakers.record(job.target, outcome.outcome)
-        if not outcome.ok and outcome.outcome != POD_DOWN:
-            # The pod may have restarted with new engine ids: ask again next time. (A port
-            # that refuses connections says nothing about the host's bootstrap server, and
-            # any port of an allowed host can be named by a client.)
-            engines.invalidate(job.target)
+        verdict = of_prefill(outcome.outcome)
+        breakers.record(job.target, verdict)
+        engines.learn(job.target, verdict)
 
     return on_prefill_outcome

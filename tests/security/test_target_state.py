@@ -113,7 +113,9 @@ async def assert_silent_ports_leave_bounded_series(
 async def test_client_chosen_ports_leave_bounded_state_and_one_query(
     pod: HostilePod, make_pdproc: Any
 ) -> None:
-    pd: Pd = await make_pdproc(pod, max_targets=MAX_TARGETS)
+    # Every port's prefill must run for the state to be tested: the per-host connection
+    # share (tests/integration/test_tarpit.py) would refuse most of them first.
+    pd: Pd = await make_pdproc(pod, max_targets=MAX_TARGETS, max_named_host_connections=PORTS)
     with silent_listeners(PORTS) as listeners:
         # Taken while the listeners hold theirs: the two sets of ports cannot overlap.
         refusing = closed_ports(PORTS)

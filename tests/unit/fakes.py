@@ -27,6 +27,8 @@ from pdproc.extproc_wire import Body, read_request, write_response
 from pdproc.ledger import Ledger
 from pdproc.metrics import Metrics
 from pdproc.outcomes import Outcome, PrefillResult
+from pdproc.pod_load import PodLoad
+from pdproc.pod_verdict import Verdict
 from pdproc.prefill import PrefillJob, PrefillOutcome
 from pdproc.processors import Deps, RequestContext
 from pdproc.targets import HostPort
@@ -57,19 +59,28 @@ class FakeEngines:
     def __init__(self, engines: EngineMap | None = None) -> None:
         self.engines = engines or {0: "engine-0"}
         self.error: BootstrapError | None = None
+        self.errors: dict[HostPort, BootstrapError] = {}  # by target, before `error`
         self.prefetched: list[HostPort] = []
+        self.asked: list[HostPort] = []
         self.invalidated: list[HostPort] = []
 
     def prefetch(self, target: HostPort, span: Span | None = None) -> None:
         self.prefetched.append(target)
 
     async def get(self, target: HostPort, span: Span | None = None) -> EngineMap:
+        self.asked.append(target)
+        if target in self.errors:
+            raise self.errors[target]
         if self.error is not None:
             raise self.error
         return self.engines
 
     def invalidate(self, target: HostPort) -> None:
         self.invalidated.append(target)
+
+    def learn(self, target: HostPort, verdict: Verdict) -> None:
+        if verdict.map_may_be_stale:  # the rule pdproc.engine_maps.EngineMaps.learn follows
+            self.invalidated.append(target)
 
 
 class FakeLauncher:
@@ -83,6 +94,9 @@ class FakeLauncher:
         self.jobs: list[PrefillJob] = []
         # False: each job's prefill body stays unsent until the test resolves `body_sent`.
         self.sends_at_once = True
+
+    def in_flight(self, target: HostPort) -> int:
+        return sum(1 for job in self.jobs if job.target == target and not job.outcome.done())
 
     def in_flight_by_rank(self, target: HostPort) -> Mapping[int, int]:
         return {}
@@ -159,6 +173,7 @@ class World:
         self.admitted: set[HostPort] = set()
         self.counted = Counted()
         self.aborts: list[pb.ProcessingResponse] = []
+        self.pool: list[HostPort] = []  # what `reroute` offers, in order
         self.deps = Deps(
             settings=self.settings,
             metrics=self.metrics,
@@ -167,6 +182,8 @@ class World:
             launcher=self.launcher,
             pod_failed=lambda target, outcome: self.pod_failures.append((target, outcome)),
             admits=self.admitted.__contains__,
+            load=PodLoad(self.launcher.in_flight),
+            reroute=lambda tried: next((m for m in self.pool if m not in tried), None),
         )
 
     def context(

@@ -19,6 +19,7 @@ from pdproc.connectors.sglang import SGLang
 from pdproc.engine_maps import BootstrapError
 from pdproc.errors import ErrorKind, ErrorReply
 from pdproc.outcomes import Outcome, PrefillResult
+from pdproc.pod_verdict import Verdict
 from pdproc.prefill import PrefillOutcome
 from pdproc.processors import (
     ConcurrentPair,
@@ -30,6 +31,7 @@ from pdproc.processors import (
     checked_body,
     prefill_error,
 )
+from pdproc.targets import HostPort
 
 from .fakes import (
     CHAT,
@@ -341,13 +343,13 @@ async def test_a_body_no_leg_can_carry_is_the_clients_400(world: World) -> None:
 @pytest.mark.parametrize(
     ("error", "outcome", "breaker"),
     [
-        (BootstrapError("refused", pod_down=True), Outcome.BOOTSTRAP_ERROR, "connect_error"),
-        (BootstrapError("status 500"), Outcome.BOOTSTRAP_ERROR, "bootstrap"),
-        (BootstrapError("EMFILE", local=True), Outcome.OVERLOADED, None),
+        (BootstrapError("refused", Verdict.DOWN), Outcome.BOOTSTRAP_ERROR, Verdict.DOWN),
+        (BootstrapError("status 500"), Outcome.BOOTSTRAP_ERROR, Verdict.FAILED),
+        (BootstrapError("EMFILE", Verdict.NOT_THE_POD), Outcome.OVERLOADED, None),
     ],
 )
 async def test_a_bootstrap_failure_rejects_the_request(
-    world: World, error: BootstrapError, outcome: Outcome, breaker: str | None
+    world: World, error: BootstrapError, outcome: Outcome, breaker: Verdict | None
 ) -> None:
     world.engines.error = error
     answer = await concurrent(world).request_body(body())
@@ -355,6 +357,51 @@ async def test_a_bootstrap_failure_rejects_the_request(
     assert world.counted.only is outcome
     assert world.pod_failures == ([] if breaker is None else [(POD, breaker)])
     assert world.launcher.jobs == []
+
+
+OTHER = HostPort("10.0.0.8", 8000)
+THIRD = HostPort("10.0.0.9", 8000)
+
+
+async def test_a_pool_request_whose_bootstrap_fails_moves_to_another_member(
+    world: World,
+) -> None:
+    world.pool = [POD, OTHER]
+    world.engines.errors[POD] = BootstrapError("timed out", Verdict.DOWN)
+    answer = await concurrent(world, from_pool=True).request_body(body())
+    assert rewritten(answer)["kv_transfer_params"]["do_remote_prefill"] is True
+    assert world.launcher.job.target == OTHER
+    assert world.pod_failures == [(POD, Verdict.DOWN)]  # held against the pod that failed
+    assert world.metrics.reroutes._value.get() == 1
+
+
+async def test_tries_are_bounded_and_the_last_failure_is_the_answer(world: World) -> None:
+    fourth = HostPort("10.0.0.10", 8000)
+    world.pool = [POD, OTHER, THIRD, fourth]
+    world.engines.error = BootstrapError("status 500")
+    answer = await concurrent(world, from_pool=True).request_body(body())
+    assert status(answer) == 502
+    assert world.engines.asked == [POD, OTHER, THIRD]
+    assert world.launcher.jobs == []
+
+
+async def test_the_endpoint_pickers_choice_is_never_moved(world: World) -> None:
+    world.pool = [POD, OTHER]
+    world.engines.errors[POD] = BootstrapError("status 500")
+    assert status(await concurrent(world).request_body(body())) == 502
+    assert world.engines.asked == [POD]
+
+
+async def test_a_request_counts_against_its_pod_until_its_prefill_runs(world: World) -> None:
+    pair = concurrent(world, from_pool=True)
+    assert world.deps.load(POD) == 1  # assigned: waiting for its body
+    await pair.request_body(body())
+    assert world.deps.load(POD) == 1  # now the launcher's count
+    await settle(world.launcher.job, PrefillResult.OK)
+    assert world.deps.load(POD) == 0
+    other = concurrent(world)
+    other.close(abandoned=True)
+    assert world.deps.load(POD) == 0
 
 
 async def test_a_bootstrap_failure_with_decode_only_policy_is_served_alone() -> None:
