@@ -37,8 +37,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pdproc.bootstrap import parse_engine_map
 from pdproc.connectors import mooncake, nixlv2
+from pdproc.engine_maps import parse_engine_map
 from pdproc.request_body import KV_PARAMS, parse_body, with_field
 
 DEFAULT_PATH = "/v1/chat/completions"

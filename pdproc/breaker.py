@@ -26,9 +26,9 @@ from typing import Any
 
 from cachetools import LRUCache
 
+from pdproc.pod_verdict import Verdict
 from pdproc.targets import HostPort
 
-POD_DOWN = "connect_error"
 FIRST_COOLDOWN_S = 1.0
 
 
@@ -103,13 +103,12 @@ class CircuitBreakers:
         state = self._states.get(target)
         return state is not None and state.open_until is not None
 
-    def record(self, target: HostPort, outcome: str) -> None:
-        """Feed a prefill or bootstrap outcome (`2xx`, `4xx`, `5xx`, `timeout`, ...).
-
-        Outcomes that say nothing about the pod (pdproc's own errors) must not be fed."""
+    def record(self, target: HostPort, verdict: Verdict) -> None:
+        """Feed what a prefill or a bootstrap query said about the pod (pdproc.pod_verdict)."""
+        if verdict is Verdict.NOT_THE_POD:
+            return
         state = self._states.get(target)
-        if outcome in ("2xx", "4xx"):
-            # The pod answered, so it is up (a 4xx is the request's fault, not the pod's).
+        if verdict.pod_is_up:
             if state is not None:
                 del self._states[target]
                 if state.open_until is not None:
@@ -120,7 +119,7 @@ class CircuitBreakers:
             state = self._states[target] = _State()
         state.failures += 1
         was_open = state.open_until is not None
-        if was_open or outcome == POD_DOWN or state.failures >= self._threshold:
+        if was_open or verdict is Verdict.DOWN or state.failures >= self._threshold:
             first = min(FIRST_COOLDOWN_S, self._max_cooldown)
             state.cooldown_s = min(state.cooldown_s * 2, self._max_cooldown) if was_open else first
             state.open_until = self._clock() + state.cooldown_s

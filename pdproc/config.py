@@ -223,7 +223,7 @@ class Settings:
     bootstrap_timeout: float = _setting(5.0, "Bootstrap /query timeout, seconds.", _positive)
     # Engine ids change when a prefill pod restarts, which takes a real engine 30 s and more:
     # a map queried less than this long ago cannot name an engine the pod replaced (see
-    # bootstrap.py). Older maps are re-queried before any request uses them.
+    # engine_maps.py). Older maps are re-queried before any request uses them.
     engine_cache_ttl: float = _setting(
         15.0,
         "Age (from its query) past which a cached engine-id map is re-queried before it is "

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from opentelemetry.trace import Span
 
-from pdproc.metrics import Outcome
+from pdproc.outcomes import Outcome
 from pdproc.telemetry import ATTR_OUTCOME
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from enum import StrEnum, unique
 
 from prometheus_client import (
     CollectorRegistry,
@@ -36,7 +35,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from pdproc import __version__
-from pdproc.errors import ErrorKind
+from pdproc.outcomes import PREFILL_OUTCOMES, REQUEST_OUTCOMES
 from pdproc.targets import HostPort
 
 # `_created` series double the number of counter series and nobody graphs them.
@@ -45,71 +44,6 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 OTHER_TARGETS = "other"
 
 
-@unique
-class Outcome(StrEnum):
-    """Every outcome a request is counted as (pdproc_requests_total's `outcome`), exactly one
-    per request (pdproc.ledger). The values are the label values dashboards and alerts use."""
-
-    PD = "pd"  # prefill and decode both answered
-    PASSTHROUGH = "passthrough"  # not disaggregated: not a P/D request, no target, or draining
-    DECODE_ONLY = "decode_only"  # a fallback: the decode served it alone (prefill unusable)
-    SHORT_PROMPT = "short_prompt"  # below --pd-min-prompt: the decode served it alone
-    UNFINISHED_BODY = "unfinished_body"  # a streamed body answered before it ended
-    ABANDONED = "abandoned"  # the client left before the decode's answer reached it
-    CANCELLED = "cancelled"  # the same, and pdproc cancelled its running prefill
-    # The prefill's answer was unfit for the decode (NIXL): the decode served it alone.
-    PREFILL_ANSWER_REFUSED = "prefill_answer_refused"
-    # Answered by pdproc itself: one per ErrorKind, same value (`Outcome.of`).
-    BAD_REQUEST = ErrorKind.BAD_REQUEST.value
-    FORBIDDEN = ErrorKind.FORBIDDEN.value
-    TOO_LARGE = ErrorKind.TOO_LARGE.value
-    BOOTSTRAP_ERROR = ErrorKind.BOOTSTRAP.value
-    PREFILL_FAILED = ErrorKind.PREFILL_FAILED.value
-    PREFILL_TIMEOUT = ErrorKind.PREFILL_TIMEOUT.value
-    PREFILL_UNAVAILABLE = ErrorKind.PREFILL_UNAVAILABLE.value
-    OVERLOADED = ErrorKind.OVERLOADED.value
-    INTERNAL_ERROR = ErrorKind.INTERNAL.value
-
-    @staticmethod
-    def of(kind: ErrorKind) -> Outcome:
-        """The outcome of a request pdproc answered itself with an error of `kind`."""
-        return _ERROR_OUTCOMES[kind]
-
-
-_ERROR_OUTCOMES = {kind: Outcome(kind.value) for kind in ErrorKind}
-
-
-@unique
-class PrefillResult(StrEnum):
-    """Every outcome of a prefill (pdproc_prefills_total's `outcome`)."""
-
-    OK = "2xx"
-    REDIRECT = "3xx"
-    CLIENT_ERROR = "4xx"
-    SERVER_ERROR = "5xx"
-    TIMEOUT = "timeout"
-    CONNECT_ERROR = "connect_error"
-    ERROR = "error"
-    CANCELLED = "cancelled"  # the client left: pdproc cancelled it (never held against the pod)
-    EXHAUSTED = "exhausted"  # pdproc out of descriptors or memory (never held against the pod)
-    INTERNAL = "internal"  # a bug in pdproc (never held against the pod)
-
-    @staticmethod
-    def of_status(status: int) -> PrefillResult:
-        """The outcome of a prefill answered with HTTP `status` (an interim 1xx as a final
-        answer is no HTTP status class pdproc expects: an error)."""
-        if status < 200:
-            return PrefillResult.ERROR
-        if status < 300:
-            return PrefillResult.OK
-        if status < 400:
-            return PrefillResult.REDIRECT
-        return PrefillResult.CLIENT_ERROR if status < 500 else PrefillResult.SERVER_ERROR
-
-
-# The label values, in declaration order (the metrics' help text lists them).
-REQUEST_OUTCOMES: tuple[str, ...] = tuple(outcome.value for outcome in Outcome)
-PREFILL_OUTCOMES: tuple[str, ...] = tuple(result.value for result in PrefillResult)
 # Set (by workers.py) before any worker starts: prometheus_client picks its storage then.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _IN_FLIGHT = "pdproc_prefills_in_flight"

@@ -23,7 +23,8 @@ from opentelemetry.trace import Span, SpanKind
 
 from pdproc.connectors import Legs
 from pdproc.gateway_fields import GATEWAY_HEADERS
-from pdproc.metrics import Metrics, PrefillResult
+from pdproc.metrics import Metrics
+from pdproc.outcomes import PrefillResult
 from pdproc.pod_http import discard, locally_exhausted, read_at_most
 from pdproc.request_body import Pieces
 from pdproc.targets import PREFILL_HEADER, HostPort
@@ -75,10 +76,7 @@ _DROP_HEADERS = frozenset(
     }
 )
 
-# Outcomes that say nothing about the pod: never held against it (pdproc's own failure, the
-# client leaving, pdproc out of descriptors or memory).
 _OK = PrefillResult.OK  # (a module constant: enum attribute access is slow on Python 3.11)
-NOT_THE_POD = frozenset({PrefillResult.INTERNAL, PrefillResult.CANCELLED, PrefillResult.EXHAUSTED})
 
 
 def prefill_headers(

@@ -29,8 +29,6 @@ from opentelemetry.trace import Span
 
 from pdproc import extproc_messages as msg
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from pdproc.bootstrap import BootstrapError
-from pdproc.breaker import POD_DOWN
 from pdproc.budget import ByteBudget
 from pdproc.config import BootstrapPolicy, Settings
 from pdproc.connectors import (
@@ -44,10 +42,13 @@ from pdproc.connectors import (
     OnFailure,
     Sequential,
 )
+from pdproc.engine_maps import BootstrapError
 from pdproc.errors import ErrorKind, ErrorReply
 from pdproc.extproc_wire import Body
 from pdproc.ledger import Ledger
-from pdproc.metrics import Metrics, Outcome, PrefillResult
+from pdproc.metrics import Metrics
+from pdproc.outcomes import Outcome, PrefillResult
+from pdproc.pod_verdict import Verdict
 from pdproc.prefill import PrefillJob, PrefillOutcome
 from pdproc.request_body import BodyError, members, parse_body
 from pdproc.streamed_body import TAIL, StreamedBody, parse_content_length
@@ -61,8 +62,6 @@ _OVERLOADED = ErrorReply(
     ErrorKind.OVERLOADED, "too many request bytes in flight at this gateway; retry later"
 )
 _TRAILERS = ErrorReply(ErrorKind.BAD_REQUEST, "request trailers are not supported on P/D paths")
-# What the breakers are told when a pod's bootstrap server answers unusably.
-_BOOTSTRAP_FAILED = "bootstrap"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +81,7 @@ Abort = Callable[[msg.Response], None]
 
 
 class EngineLookup(Protocol):
-    """Engine maps of prefill pods (pdproc.bootstrap.EngineMaps)."""
+    """Engine maps of prefill pods (pdproc.engine_maps.EngineMaps)."""
 
     def prefetch(self, target: HostPort, span: Span | None = None) -> None: ...
 
@@ -121,8 +120,8 @@ class Deps:
     budget: ByteBudget  # --max-inflight-bytes
     engines: EngineLookup
     launcher: Launcher
-    # A pod's bootstrap server failed (held against the pod: the circuit breakers' record).
-    pod_failed: Callable[[HostPort, str], None]
+    # What a pod's failed bootstrap query says about it (the circuit breakers' record).
+    pod_failed: Callable[[HostPort, Verdict], None]
     # Whether the gateway admits an address as a KV source (NIXL's side channel).
     admits: Callable[[HostPort], bool]
 
@@ -379,9 +378,9 @@ class Disaggregated:
         self, exc: BootstrapError, request: ClientRequest, streamed: StreamedBody | None
     ) -> msg.Response:
         """No engine map for the pod: reject the request, or let the decode do it alone."""
-        if exc.local:
+        if exc.verdict is Verdict.NOT_THE_POD:
             return self.context.reject(_exhausted(exc))
-        self._deps.pod_failed(self._target, POD_DOWN if exc.pod_down else _BOOTSTRAP_FAILED)
+        self._deps.pod_failed(self._target, exc.verdict)
         reply = ErrorReply(ErrorKind.BOOTSTRAP, str(exc))
         if self._deps.settings.on_bootstrap_error is BootstrapPolicy.REJECT:
             return self.context.reject(reply)

@@ -19,7 +19,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdproc import limits
-from pdproc.bootstrap import EngineMaps, Siblings
 from pdproc.breaker import CircuitBreakers
 from pdproc.config import KvConnector, Settings
 from pdproc.connectors import Connector
@@ -27,6 +26,7 @@ from pdproc.connectors.mooncake import Mooncake
 from pdproc.connectors.nixlv2 import NixlV2
 from pdproc.connectors.sglang import SGLang
 from pdproc.discovery import DnsPool
+from pdproc.engine_maps import EngineMaps, Siblings
 from pdproc.extproc_wire import read_request, write_response
 from pdproc.http_site import BoundedTCPSite
 from pdproc.listeners import PortInUse
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # The shortest restart of a real prefill engine (loading the model): engine-id maps younger
-# than this cannot be stale (bootstrap.py).
+# than this cannot be stale (engine_maps.py).
 RESTART_S = 30.0
 SWEEP_S = 1.0
 

@@ -14,16 +14,17 @@ from typing import Any
 
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from pdproc.bootstrap import EngineMaps
-from pdproc.breaker import POD_DOWN, CircuitBreakers
+from pdproc.breaker import CircuitBreakers
 from pdproc.budget import ByteBudget
 from pdproc.config import BootstrapPolicy, Settings
 from pdproc.connectors import Concurrent, Connector
 from pdproc.discovery import DnsPool
+from pdproc.engine_maps import EngineMaps
 from pdproc.errors import ErrorKind, ErrorReply, shown
 from pdproc.extproc_wire import BodyRequest
 from pdproc.ledger import Ledger
-from pdproc.metrics import Metrics, Outcome
+from pdproc.metrics import Metrics
+from pdproc.outcomes import Outcome
 from pdproc.picker import (
     BadRequest,
     Chosen,
@@ -33,7 +34,8 @@ from pdproc.picker import (
     Unavailable,
     pick_target,
 )
-from pdproc.prefill import NOT_THE_POD, OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
+from pdproc.pod_verdict import of_prefill
+from pdproc.prefill import OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.processors import (
     Abort,
     ConcurrentPair,
@@ -218,13 +220,8 @@ def pod_feedback(breakers: CircuitBreakers, engines: EngineMaps) -> OutcomeHook:
     """What a prefill's outcome teaches about its pod (the launcher calls it for each)."""
 
     def on_prefill_outcome(job: PrefillJob, outcome: PrefillOutcome) -> None:
-        if outcome.outcome in NOT_THE_POD:
-            return  # pdproc's own failure, or the client leaving, says nothing about the pod
-        breakers.record(job.target, outcome.outcome)
-        if not outcome.ok and outcome.outcome != POD_DOWN:
-            # The pod may have restarted with new engine ids: ask again next time. (A port
-            # that refuses connections says nothing about the host's bootstrap server, and
-            # any port of an allowed host can be named by a client.)
-            engines.invalidate(job.target)
+        verdict = of_prefill(outcome.outcome)
+        breakers.record(job.target, verdict)
+        engines.learn(job.target, verdict)
 
     return on_prefill_outcome

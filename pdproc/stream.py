@@ -25,7 +25,7 @@ from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.errors import ErrorKind, ErrorReply
 from pdproc.extproc_wire import BodyRequest
 from pdproc.ledger import Ledger
-from pdproc.metrics import Outcome
+from pdproc.outcomes import Outcome
 from pdproc.processors import Abort, Deferred, RequestProcessor
 
 log = logging.getLogger(__name__)

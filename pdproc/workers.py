@@ -5,7 +5,7 @@ over the processes bound to the port (SO_REUSEPORT, set by `server.py`), and eac
 a full, independent pdproc, as separate replicas would be:
 
 - its engine-id cache is true on its own (a map is never used past its age bound:
-  bootstrap.py), so nothing needs sharing;
+  engine_maps.py), so nothing needs sharing;
 - its breakers learn about a dead pod from its own requests: a dead pod costs each process
   one failed request (and one probe per cooldown) instead of one in all, a bounded price
   that sharing state on every request would cost more than;

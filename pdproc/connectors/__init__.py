@@ -86,7 +86,7 @@ class Sequential(Protocol):
     leg is built from the prefill's answer (NIXL v2)."""
 
     name: str
-    # Needs the prefill pod's engine map (pdproc.bootstrap) to build the legs.
+    # Needs the prefill pod's engine map (pdproc.engine_maps) to build the legs.
     uses_engines: bool
 
     def legs(

@@ -17,7 +17,7 @@ import orjson
 import pytest
 from pdproc_sim.devstack import Stack, free_port
 
-from pdproc.metrics import REQUEST_OUTCOMES
+from pdproc.outcomes import REQUEST_OUTCOMES
 from tests.waiting import eventually
 
 from .conftest import ext_proc_errors, forget_engine_ids

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
 
-from pdproc.bootstrap import MIN_REFETCH_S, EngineMaps, Siblings
+from pdproc.engine_maps import MIN_REFETCH_S, EngineMaps, Siblings
 from pdproc.metrics import Metrics
 from pdproc.pod_http import new_session
 from pdproc.targets import HostPort

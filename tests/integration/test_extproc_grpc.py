@@ -298,7 +298,7 @@ async def test_failed_prefill_aborts_before_response(
     h: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # As if the engine map had been fetched more than a second ago (see the next test).
-    monkeypatch.setattr("pdproc.bootstrap.MIN_REFETCH_S", 0.0)
+    monkeypatch.setattr("pdproc.engine_maps.MIN_REFETCH_S", 0.0)
     await h.faults(prefill_status=500)
     call = await h.past_headers()
     await call.write(body_msg(CHAT))

@@ -15,7 +15,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdproc.metrics import REQUEST_OUTCOMES
+from pdproc.outcomes import REQUEST_OUTCOMES
 from tests.envoy_side import CHAT, body_msg, headers_msg, recv, response_headers_msg
 from tests.waiting import eventually_async
 

@@ -21,6 +21,7 @@ import pytest
 
 from pdproc.config import BootstrapPolicy, KvConnector
 from pdproc.gateway_fields import GATEWAY_FIELDS
+from pdproc.pod_verdict import Verdict
 
 from .conftest import CHAT, SECONDS, Pd
 from .pods import HostilePod
@@ -90,7 +91,7 @@ async def test_every_connectors_fields_are_refused_on_every_path(
     pool = (pod.host_port(),) if path == "short-prompt" else ()
     pd = await make_pdproc(pod, kv_connector=connector, prefill=pool, **settings)
     if path == "breaker-decode-only":
-        pd.service.breakers.record(pod.host_port(), "5xx")
+        pd.service.breakers.record(pod.host_port(), Verdict.FAILED)
         assert not pd.service.breakers.allow(pod.host_port())
     for field in GATEWAY_FIELDS:
         await refused(pd, hostile_body(field), prefill(pod))

@@ -18,13 +18,15 @@ from opentelemetry.trace import Span
 from pdproc import extproc_messages as msg
 from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from pdproc.bootstrap import BootstrapError
 from pdproc.budget import ByteBudget
 from pdproc.config import Settings
 from pdproc.connectors import EngineMap, Legs
+from pdproc.engine_maps import BootstrapError
 from pdproc.extproc_wire import Body, read_request, write_response
 from pdproc.ledger import Ledger
-from pdproc.metrics import Metrics, Outcome, PrefillResult
+from pdproc.metrics import Metrics
+from pdproc.outcomes import Outcome, PrefillResult
+from pdproc.pod_verdict import Verdict
 from pdproc.prefill import PrefillJob, PrefillOutcome
 from pdproc.processors import Deps, RequestContext
 from pdproc.targets import HostPort
@@ -68,6 +70,10 @@ class FakeEngines:
 
     def invalidate(self, target: HostPort) -> None:
         self.invalidated.append(target)
+
+    def learn(self, target: HostPort, verdict: Verdict) -> None:
+        if verdict.map_may_be_stale:  # the rule pdproc.engine_maps.EngineMaps.learn follows
+            self.invalidated.append(target)
 
 
 class FakeLauncher:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pdproc.breaker import CircuitBreakers
+from pdproc.pod_verdict import Verdict
 from pdproc.targets import HostPort
 
 POD = HostPort("10.0.0.1", 8000)
@@ -19,13 +20,13 @@ def test_connection_failure_opens_at_once_then_one_probe() -> None:
     changes: list[bool] = []
     breakers = CircuitBreakers(5, 10.0, clock, lambda _, is_open: changes.append(is_open))
     assert breakers.allow(POD)
-    breakers.record(POD, "connect_error")
+    breakers.record(POD, Verdict.DOWN)
     assert breakers.is_open(POD)
     assert not breakers.allow(POD)
     clock.now += 1.0  # the first cooldown is short: a transient hiccup costs a second
     assert breakers.allow(POD)  # the probe
     assert not breakers.allow(POD)  # everyone else waits for it
-    breakers.record(POD, "2xx")
+    breakers.record(POD, Verdict.HEALTHY)
     assert breakers.allow(POD)
     assert changes == [True, False]
 
@@ -33,7 +34,7 @@ def test_connection_failure_opens_at_once_then_one_probe() -> None:
 def test_cooldown_doubles_while_the_pod_stays_down_up_to_the_maximum() -> None:
     clock = Clock()
     breakers = CircuitBreakers(5, 5.0, clock)
-    breakers.record(POD, "connect_error")
+    breakers.record(POD, Verdict.DOWN)
     waits = []
     for _ in range(5):
         waited = 0.0
@@ -41,27 +42,27 @@ def test_cooldown_doubles_while_the_pod_stays_down_up_to_the_maximum() -> None:
             clock.now += 0.25
             waited += 0.25
         waits.append(waited)
-        breakers.record(POD, "connect_error")  # the probe fails too
+        breakers.record(POD, Verdict.DOWN)  # the probe fails too
     assert waits == [1.0, 2.0, 4.0, 5.0, 5.0]
 
 
 def test_other_failures_open_after_threshold_in_a_row() -> None:
     breakers = CircuitBreakers(3, 10.0, Clock())
     for _ in range(2):
-        breakers.record(POD, "5xx")
+        breakers.record(POD, Verdict.FAILED)
     assert breakers.allow(POD)
-    breakers.record(POD, "2xx")  # resets the run
+    breakers.record(POD, Verdict.HEALTHY)  # resets the run
     for _ in range(2):
-        breakers.record(POD, "timeout")
+        breakers.record(POD, Verdict.FAILED)
     assert breakers.allow(POD)
-    breakers.record(POD, "5xx")
+    breakers.record(POD, Verdict.FAILED)
     assert not breakers.allow(POD)
 
 
 def test_lost_probe_leads_to_another_probe() -> None:
     clock = Clock()
     breakers = CircuitBreakers(1, 5.0, clock)
-    breakers.record(POD, "5xx")
+    breakers.record(POD, Verdict.FAILED)
     clock.now += 1.0
     assert breakers.allow(POD)  # a probe whose outcome never came
     assert not breakers.allow(POD)
@@ -72,7 +73,7 @@ def test_lost_probe_leads_to_another_probe() -> None:
 def test_client_errors_do_not_count_against_the_pod() -> None:
     breakers = CircuitBreakers(2, 10.0, Clock())
     for _ in range(5):
-        breakers.record(POD, "4xx")
+        breakers.record(POD, Verdict.REFUSED)
     assert breakers.allow(POD)
 
 
@@ -82,7 +83,7 @@ def test_an_open_breaker_nobody_asks_about_is_forgotten() -> None:
     clock = Clock()
     changes: list[bool] = []
     breakers = CircuitBreakers(5, 10.0, clock, lambda _, is_open: changes.append(is_open))
-    breakers.record(POD, "connect_error")
+    breakers.record(POD, Verdict.DOWN)
     clock.now += 1.0 + 10.0  # the 1 s cooldown, then max_cooldown_s
     breakers.forget_unasked()
     assert breakers.is_open(POD)  # not yet: strictly longer
@@ -96,10 +97,10 @@ def test_an_open_breaker_nobody_asks_about_is_forgotten() -> None:
 def test_an_open_breaker_with_requests_is_kept() -> None:
     clock = Clock()
     breakers = CircuitBreakers(5, 10.0, clock)
-    breakers.record(POD, "connect_error")
+    breakers.record(POD, Verdict.DOWN)
     for _ in range(30):  # the pod stays down; requests keep probing it
         clock.now += 1.0
         if breakers.allow(POD):
-            breakers.record(POD, "connect_error")
+            breakers.record(POD, Verdict.DOWN)
         breakers.forget_unasked()
         assert breakers.is_open(POD)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdproc.ledger import Ledger
-from pdproc.metrics import Outcome
+from pdproc.outcomes import Outcome
 
 from .fakes import Counted, recording_span
 

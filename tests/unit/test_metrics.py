@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from pdproc.errors import ErrorKind
-from pdproc.metrics import PREFILL_OUTCOMES, REQUEST_OUTCOMES, Metrics, Outcome, PrefillResult
+from pdproc.metrics import Metrics
+from pdproc.outcomes import PREFILL_OUTCOMES, REQUEST_OUTCOMES, Outcome, PrefillResult
 
 # The label values as dashboards, alerts and docs know them: renaming one breaks them.
 KNOWN_REQUEST_OUTCOMES = {

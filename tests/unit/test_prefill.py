@@ -8,7 +8,8 @@ import asyncio
 import aiohttp
 
 from pdproc.connectors import Legs
-from pdproc.metrics import Metrics, PrefillResult
+from pdproc.metrics import Metrics
+from pdproc.outcomes import PrefillResult
 from pdproc.prefill import PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.request_body import Pieces
 from pdproc.targets import HostPort

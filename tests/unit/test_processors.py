@@ -12,13 +12,14 @@ import orjson
 import pytest
 
 from pdproc import extproc_messages as msg
-from pdproc.bootstrap import BootstrapError
 from pdproc.config import BootstrapPolicy
 from pdproc.connectors.mooncake import Mooncake
 from pdproc.connectors.nixlv2 import NixlV2
 from pdproc.connectors.sglang import SGLang
+from pdproc.engine_maps import BootstrapError
 from pdproc.errors import ErrorKind, ErrorReply
-from pdproc.metrics import Outcome, PrefillResult
+from pdproc.outcomes import Outcome, PrefillResult
+from pdproc.pod_verdict import Verdict
 from pdproc.prefill import PrefillOutcome
 from pdproc.processors import (
     ConcurrentPair,
@@ -341,13 +342,13 @@ async def test_a_body_no_leg_can_carry_is_the_clients_400(world: World) -> None:
 @pytest.mark.parametrize(
     ("error", "outcome", "breaker"),
     [
-        (BootstrapError("refused", pod_down=True), Outcome.BOOTSTRAP_ERROR, "connect_error"),
-        (BootstrapError("status 500"), Outcome.BOOTSTRAP_ERROR, "bootstrap"),
-        (BootstrapError("EMFILE", local=True), Outcome.OVERLOADED, None),
+        (BootstrapError("refused", Verdict.DOWN), Outcome.BOOTSTRAP_ERROR, Verdict.DOWN),
+        (BootstrapError("status 500"), Outcome.BOOTSTRAP_ERROR, Verdict.FAILED),
+        (BootstrapError("EMFILE", Verdict.NOT_THE_POD), Outcome.OVERLOADED, None),
     ],
 )
 async def test_a_bootstrap_failure_rejects_the_request(
-    world: World, error: BootstrapError, outcome: Outcome, breaker: str | None
+    world: World, error: BootstrapError, outcome: Outcome, breaker: Verdict | None
 ) -> None:
     world.engines.error = error
     answer = await concurrent(world).request_body(body())

@@ -14,7 +14,9 @@ from pdproc.config import BootstrapPolicy, Settings
 from pdproc.connectors import Legs
 from pdproc.connectors.mooncake import Mooncake
 from pdproc.connectors.nixlv2 import NixlV2
-from pdproc.metrics import Metrics, Outcome, PrefillResult
+from pdproc.metrics import Metrics
+from pdproc.outcomes import Outcome, PrefillResult
+from pdproc.pod_verdict import Verdict
 from pdproc.prefill import PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.processors import ConcurrentPair, DecodeOnly, PassThrough, Rejected, SequentialPair
 from pdproc.request_body import Pieces
@@ -96,7 +98,7 @@ async def test_refusals_at_the_door(session: aiohttp.ClientSession) -> None:
     assert status(await forbidden.request_headers()) == 403
     bad = s.open(x_prefiller_host_port="not:a:target")
     assert status(await bad.request_headers()) == 400
-    s.breakers.record(POD, "connect_error")
+    s.breakers.record(POD, Verdict.DOWN)
     down = s.open(x_prefiller_host_port=str(POD))
     assert status(await down.request_headers()) == 503
 
@@ -105,7 +107,7 @@ async def test_a_pod_known_down_is_decode_only_when_the_policy_says_so(
     session: aiohttp.ClientSession,
 ) -> None:
     s = Service(session, on_bootstrap_error=BootstrapPolicy.DECODE_ONLY)
-    s.breakers.record(POD, "connect_error")
+    s.breakers.record(POD, Verdict.DOWN)
     assert isinstance(s.open(x_prefiller_host_port=str(POD)), DecodeOnly)
 
 
@@ -132,6 +134,7 @@ def job() -> PrefillJob:
     ("result", "held", "dropped"),
     [
         (PrefillResult.OK, False, False),
+        (PrefillResult.CLIENT_ERROR, False, True),  # up, but its engine ids may be stale
         (PrefillResult.SERVER_ERROR, True, True),
         (PrefillResult.CONNECT_ERROR, True, False),  # says nothing about the bootstrap server
         (PrefillResult.CANCELLED, False, False),  # the client left: not the pod's fault

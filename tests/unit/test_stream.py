@@ -20,7 +20,7 @@ from pdproc._proto.google.protobuf.struct_pb2 import Struct
 from pdproc.connectors.mooncake import Mooncake
 from pdproc.errors import ErrorKind, ErrorReply
 from pdproc.ledger import Ledger
-from pdproc.metrics import Outcome, PrefillResult
+from pdproc.outcomes import Outcome, PrefillResult
 from pdproc.processors import (
     Abort,
     ConcurrentPair,

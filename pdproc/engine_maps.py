@@ -37,6 +37,7 @@ from pdproc.connectors import EngineMap
 from pdproc.errors import shown
 from pdproc.metrics import Metrics
 from pdproc.pod_http import locally_exhausted, read_at_most
+from pdproc.pod_verdict import Verdict, of_bootstrap
 from pdproc.targets import HostPort
 from pdproc.telemetry import ATTR_CACHE, ATTR_ENGINES, ATTR_TARGET, Tracing, fail
 
@@ -56,17 +57,13 @@ MAX_ENGINE_ID_CHARS = 256
 
 
 class BootstrapError(Exception):
-    """The bootstrap server's answer cannot be used.
+    """The bootstrap server's answer cannot be used; `verdict` says what that says about the
+    pod (pdproc.pod_verdict): `DOWN` when the server could not even be reached, `NOT_THE_POD`
+    when pdproc itself ran out of resources (descriptors, memory), else `FAILED`."""
 
-    `pod_down` says the server could not even be reached: the prefill pod itself is gone.
-    `local` says pdproc itself ran out of resources (descriptors, memory): not the pod's
-    fault, never held against it.
-    """
-
-    def __init__(self, message: str, *, pod_down: bool = False, local: bool = False) -> None:
+    def __init__(self, message: str, verdict: Verdict = Verdict.FAILED) -> None:
         super().__init__(message)
-        self.pod_down = pod_down
-        self.local = local
+        self.verdict = verdict
 
 
 def parse_engine_map(payload: bytes) -> EngineMap:
@@ -218,6 +215,12 @@ class EngineMaps:
         # shield: one waiter going away (its stream ended) must not cancel the shared query.
         return await asyncio.shield(future)
 
+    def learn(self, target: HostPort, verdict: Verdict) -> None:
+        """Act on what a prefill said about its pod: a pod that may have restarted is asked
+        again next time."""
+        if verdict.map_may_be_stale:
+            self.invalidate(target)
+
     def invalidate(self, target: HostPort) -> None:
         """Forget the pod's map, unless it was fetched within the last second: failures
         come in bursts (and a client can aim them at a pod's other ports), but one fresh
@@ -280,11 +283,12 @@ class EngineMaps:
             if locally_exhausted(exc):
                 raise BootstrapError(
                     f"pdproc is out of resources ({exc}): bootstrap endpoint {url} not queried",
-                    local=True,
+                    of_bootstrap(reached=False, local=True),
                 ) from None
             if isinstance(exc, aiohttp.ClientConnectorError):
                 raise BootstrapError(
-                    f"failed to query bootstrap endpoint {url}: {exc}", pod_down=True
+                    f"failed to query bootstrap endpoint {url}: {exc}",
+                    of_bootstrap(reached=False, local=False),
                 ) from None
             raise BootstrapError(
                 f"failed to query bootstrap endpoint {url}: {type(exc).__name__}"

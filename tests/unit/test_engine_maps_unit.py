@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from pdproc import bootstrap
+from pdproc import engine_maps
 
 
 def test_engine_map_good() -> None:
@@ -15,14 +15,14 @@ def test_engine_map_good() -> None:
             "1": {"engine_id": "e1", "worker_addr": {}},
         }
     )
-    assert bootstrap.parse_engine_map(payload) == {0: "e0", 1: "e1"}
+    assert engine_maps.parse_engine_map(payload) == {0: "e0", 1: "e1"}
 
 
 def test_engine_map_skips_ranks_without_string_id_and_nulls() -> None:
     payload = orjson.dumps(
         {"0": {"engine_id": 42}, "1": None, "2": {"engine_id": "e2"}, "x": {"engine_id": "ex"}}
     )
-    assert bootstrap.parse_engine_map(payload) == {2: "e2"}
+    assert engine_maps.parse_engine_map(payload) == {2: "e2"}
 
 
 @pytest.mark.parametrize(
@@ -37,15 +37,15 @@ def test_engine_map_skips_ranks_without_string_id_and_nulls() -> None:
     ],
 )
 def test_engine_map_errors(payload: bytes, message: str) -> None:
-    with pytest.raises(bootstrap.BootstrapError, match=message):
-        bootstrap.parse_engine_map(payload)
+    with pytest.raises(engine_maps.BootstrapError, match=message):
+        engine_maps.parse_engine_map(payload)
 
 
 def test_engine_map_bounds() -> None:
-    many = orjson.dumps({str(i): {"engine_id": f"e{i}"} for i in range(bootstrap.MAX_RANKS + 1)})
-    with pytest.raises(bootstrap.BootstrapError, match="more than"):
-        bootstrap.parse_engine_map(many)
-    with pytest.raises(bootstrap.BootstrapError, match="larger than"):
-        bootstrap.parse_engine_map(b" " * (bootstrap.MAX_QUERY_BYTES + 1))
-    with pytest.raises(bootstrap.BootstrapError, match="too long"):
-        bootstrap.parse_engine_map(orjson.dumps({"0": {"engine_id": "e" * 1000}}))
+    many = orjson.dumps({str(i): {"engine_id": f"e{i}"} for i in range(engine_maps.MAX_RANKS + 1)})
+    with pytest.raises(engine_maps.BootstrapError, match="more than"):
+        engine_maps.parse_engine_map(many)
+    with pytest.raises(engine_maps.BootstrapError, match="larger than"):
+        engine_maps.parse_engine_map(b" " * (engine_maps.MAX_QUERY_BYTES + 1))
+    with pytest.raises(engine_maps.BootstrapError, match="too long"):
+        engine_maps.parse_engine_map(orjson.dumps({"0": {"engine_id": "e" * 1000}}))
