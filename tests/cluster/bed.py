@@ -86,10 +86,14 @@ class Proc:
             return "\n".join(self.log.read_text("utf-8", "replace").splitlines()[-lines:])
         return ""
 
+    def terminate(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL: by PID, the process the bed started."""
         if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.popen.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -245,6 +249,14 @@ class Bed:
         if proc is not None:
             proc.stop()
 
+    def stop_procs(self, names: Sequence[str]) -> None:
+        """SIGTERM to all first (pdproc's lame duck and Envoy's exit overlap), then each
+        waited for, SIGKILL after 5 s."""
+        for name in names:
+            self.procs[name].terminate()
+        for name in names:
+            self.stop_proc(name)
+
     def start(self, dns: Sequence[str] = PODS) -> None:
         """The stack, fresh: pods, decode, DNS answering `dns`, pdproc, Envoy."""
         pods = [
@@ -351,8 +363,7 @@ class Bed:
 
     def stop(self) -> None:
         """The stack down, the network as built: links up, scenario rules gone."""
-        for name in [n for n in self.procs if n != "dnsmasq"]:
-            self.stop_proc(name)
+        self.stop_procs([n for n in self.procs if n != "dnsmasq"])
         for entry in list(self.nft_tables):
             self.nft_delete(*entry.split())
         for host in HOSTS:
@@ -390,6 +401,8 @@ class Bed:
         if self._down:
             return []
         self._down = True
+        with contextlib.suppress(Exception):
+            self.stop_procs(list(self.procs))
         for name in list(self.procs):
             with contextlib.suppress(Exception):
                 self.stop_proc(name)
