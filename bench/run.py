@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +103,12 @@ class Options:
     baseline_pdproc: Path | None = None
     # Cells whose bodies in flight (size x concurrency) pass this are left out (0: none).
     max_cell_bytes: int = 0
+    # Measured requests at a given concurrency, over `requests` (--requests 16:300,...).
+    requests_at: dict[int, int] = field(default_factory=dict)
 
     def requests_for(self, concurrency: int) -> int:
+        if concurrency in self.requests_at:
+            return self.requests_at[concurrency]
         # Every worker sends several, so p99 is not one request's luck; few enough that five
         # rounds of 1 KiB and 1 MiB at c = 1/16/64 for every configuration fit in 20 minutes.
         return self.requests if self.requests is not None else max(30, 6 * concurrency)
@@ -172,11 +176,68 @@ def _envoy_option(text: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
+def _requests(text: str) -> int | dict[int, int]:
+    """N, or per concurrency C:N,C:N (a concurrency not listed gets the default count)."""
+    if ":" not in text:
+        return _positive_int(text)
+    out: dict[int, int] = {}
+    for item in text.split(","):
+        level, sep, count = item.partition(":")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected C:N, got {item!r}")
+        out[_positive_int(level)] = _positive_int(count)
+    return out
+
+
+# Named runs: flags put before the command line's own (which, given again, win).
+PRESETS: dict[str, tuple[str, ...]] = {
+    # pdproc with every default of the installed wheel against the floor, the client doing
+    # P/D itself and vllm-router, beside the same pdproc with one process per CPU and with
+    # every body buffered: the comparison a user's own harness makes (a 20 ms prefill, the
+    # first token 10 ms after the KV, 8 tokens 5 ms apart; 300 requests per round at c=16).
+    "defaults": (
+        "--configs",
+        "floor,pdproc-defaults,pdproc-auto-workers,pdproc-buffered,direct-pd,vllm-router",
+        *("--sizes", "1k,1m", "--concurrency", "1,16,64", "--rounds", "3"),
+        *("--requests", "1:40,16:300,64:384", "--time-limit", "15", "--budget", "1500"),
+        *("--prefill-delay-ms", "20", "--first-token-delay-ms", "10"),
+        *("--itl-ms", "5", "--tokens", "8"),
+        # Envoy's own default on a 2-core box (one worker thread per CPU), as a user runs it:
+        # with one thread its one connection reaches one pdproc worker only.
+        *("--envoy-concurrency", "2"),
+    ),
+}
+
+
+def with_preset(argv: Sequence[str]) -> list[str]:
+    """`argv` with its --preset NAME replaced by the preset's flags, put first."""
+    args = list(argv)
+    for i, arg in enumerate(args):
+        name = arg.partition("=")[2] if arg.startswith("--preset=") else None
+        if arg == "--preset" and i + 1 < len(args):
+            name = args[i + 1]
+            del args[i : i + 2]
+        elif name is not None:
+            del args[i]
+        else:
+            continue
+        if name not in PRESETS:
+            raise SystemExit(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+        return [*PRESETS[name], *args]
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.run",
         description="Side-by-side streaming P/D benchmark: pdproc against its floor, Envoy "
         "alone, the client doing P/D itself, vllm-router and sglang-router.",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="a named run (its flags first; flags given here win): defaults = pdproc with "
+        "every default against the floor, 1 KiB and 1 MiB, c=1/16/64",
     )
     parser.add_argument(
         "--smoke",
@@ -199,9 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=_csv(_positive_int), default=(1, 16, 64))
     parser.add_argument(
         "--requests",
-        type=_positive_int,
+        type=_requests,
         default=None,
-        help="measured requests per run (default: max(30, 6 x concurrency))",
+        help="measured requests per run: N, or C:N,... per concurrency (default: max(30, "
+        "6 x concurrency))",
     )
     parser.add_argument(
         "--warmup",
@@ -346,7 +408,8 @@ def options_from(args: argparse.Namespace, argv: Sequence[str]) -> Options:
         **common,
         sizes=tuple(args.sizes),
         concurrency=tuple(args.concurrency),
-        requests=args.requests,
+        requests=args.requests if isinstance(args.requests, int) else None,
+        requests_at=args.requests if isinstance(args.requests, dict) else {},
         warmup=args.warmup,
         rounds=args.rounds,
         time_limit_s=args.time_limit,
@@ -795,9 +858,11 @@ def _profile(bench: Bench, opts: Options) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args_list = list(sys.argv[1:] if argv is None else argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    args_list = with_preset(given)
     args = build_parser().parse_args(args_list)
-    opts = options_from(args, args_list)
+    # The command as given (a preset stays its name; meta has every setting it stood for).
+    opts = options_from(args, given)
     opts.out.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         if args.keep_logs is not None:

@@ -31,10 +31,11 @@ from typing import Any, TypeVar
 from pdproc_sim import devstack
 from pdproc_sim.devstack import Process, SimPair
 
+from pdproc.config import serve_default
 from pdproc.targets import PREFILL_HEADER, HostPort, parse_host_port
-from pdproc.workers import usable_cpus
 
 BENCH_DIR = Path(__file__).resolve().parent
+_DEFAULT_BODY_LIMIT: int = serve_default("max_body_bytes")
 FLOOR_SCRIPT = BENCH_DIR / "floor.py"
 
 CONFIGS = (
@@ -45,7 +46,10 @@ CONFIGS = (
     "pdproc",
     "pdproc-baseline",
     "pdproc-auto-workers",
+    "pdproc-buffered",
+    "pdproc-defaults",
     "pdproc-1msg",
+    "pdproc-nohold",
     "vllm-router",
     "pdproc-nixlv2",
     "vllm-router-nixl",
@@ -67,7 +71,10 @@ DESCRIPTIONS = {
     "pdproc": "client -> Envoy + pdproc (P/D, x-prefiller-host-port) -> decode; pdproc -> prefill",
     "pdproc-baseline": "as pdproc, with another pdproc installation (--baseline-pdproc)",
     "pdproc-auto-workers": "as pdproc, with pdproc's default --workers (one per usable CPU)",
+    "pdproc-buffered": "as pdproc, every body buffered (--stream-body-bytes 0)",
+    "pdproc-defaults": "as pdproc, with every `pdproc serve` default (as installed from the wheel)",
     "pdproc-1msg": "as pdproc, Envoy in single-message mode (envoy-config --single-message)",
+    "pdproc-nohold": "as pdproc, its Envoy not holding the decode's answer for the prefill's",
     "vllm-router": "client -> vllm-router --vllm-pd-disaggregation --kv-connector mooncake",
     "pdproc-nixlv2": "as pdproc with --kv-connector nixlv2, on a NIXL (nixlv2) simulator",
     "vllm-router-nixl": "client -> vllm-router --vllm-pd-disaggregation --kv-connector nixl",
@@ -83,13 +90,16 @@ PDPROC_CONFIGS = frozenset(
         "pdproc",
         "pdproc-baseline",
         "pdproc-auto-workers",
+        "pdproc-buffered",
+        "pdproc-defaults",
         "pdproc-1msg",
+        "pdproc-nohold",
         "pdproc-nixlv2",
         "pdproc-sglang",
     }
 )
 # The processor part behind each configuration's Envoy.
-BEHIND = {"pdproc-1msg": "pdproc"}
+BEHIND = {"pdproc-1msg": "pdproc", "pdproc-nohold": "pdproc"}
 
 
 class Unavailable(Exception):
@@ -246,15 +256,28 @@ def start_pdproc(
         args += ["--kv-connector", connector]
     if connector == "sglang" and devstack.pdproc_has_flag("--sglang-bootstrap-port"):
         args += ["--sglang-bootstrap-port", str(sim.bootstrap.port)]
-    args += ["--log-level", opts.pdproc_log_level]
-    workers = usable_cpus() if name == "pdproc-auto-workers" else opts.workers
-    args += ["--workers", str(workers)]
-    args += _body_limits(opts)
+    args += _own_args(name, opts)
     if name == "pdproc-baseline":
         assert opts.baseline_pdproc is not None
         return start_pdproc_binary(workdir, name, opts.baseline_pdproc, [*args, *opts.pdproc_args])
     proc, listen, metrics = devstack.start_pdproc(workdir, [*args, *opts.pdproc_args], name=name)
     return Part(proc, str(listen), metrics)
+
+
+def _own_args(name: str, opts: StackOptions) -> list[str]:
+    """What a pdproc configuration sets beyond its pods. `pdproc-defaults` sets nothing:
+    what a user of the installed wheel gets (its body limits fit every size up to
+    --max-body-bytes' default; larger sizes get the bench's limits)."""
+    if name == "pdproc-defaults":
+        # The default spelled out: devstack.start_pdproc asks for one process otherwise.
+        args = ["--workers", str(serve_default("workers"))]
+        return args if opts.max_body_bytes <= _DEFAULT_BODY_LIMIT else args + _body_limits(opts)
+    # 0 is pdproc's own default: one process per usable CPU.
+    workers = 0 if name == "pdproc-auto-workers" else opts.workers
+    args = ["--log-level", opts.pdproc_log_level, "--workers", str(workers)]
+    if name == "pdproc-buffered":
+        args += ["--stream-body-bytes", "0"]
+    return args + _body_limits(opts)
 
 
 def _body_limits(opts: StackOptions) -> list[str]:
@@ -446,6 +469,9 @@ def _envoy_jobs(
             options.update(opts.envoy_options)
         if name == "pdproc-1msg":
             options["single_message"] = True
+        if name == "pdproc-nohold":
+            # Measurement only (envoy-config --no-response-hold): what the hold costs.
+            options["hold_response"] = False
         jobs[name] = envoy_job(name, parts[behind].address, options)
     return jobs
 

@@ -8,13 +8,13 @@ let through as a probe and the breaker stays shut to the others meanwhile; the p
 success closes it, its failure re-opens it. A probe whose outcome never comes just leads to
 another probe after the cooldown. Pure state machine with an injected clock.
 
-Only pods with failures have state, and at most `max_targets` of them (the least recently
-failing are forgotten, i.e. closed): targets can come from a header, so their number must
-not grow with what clients send. An open breaker nobody asked about for `max_cooldown_s`
-after its cooldown ended is forgotten too (`forget_unasked`): without requests there is no
-probe, so it says nothing about the pod any more (a worker process that stopped getting
-traffic would otherwise report its pod down for ever), and the next request is the probe it
-would have been.
+Only pods with failures have state, and at most `max_targets` of them (the least
+recently failing are forgotten, i.e. closed): targets can come from a header, so their
+number must not grow with what clients send. An open breaker nobody asked about for
+`max_cooldown_s` after its cooldown ended is forgotten too (`forget_unasked`): without
+requests there is no probe, so it says nothing about the pod any more (a worker process that
+stopped getting traffic would otherwise report its pod down for ever), and the next request
+is the probe it would have been.
 """
 
 from __future__ import annotations
@@ -60,7 +60,12 @@ class CircuitBreakers:
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[HostPort, bool], None] | None = None,
         max_targets: int = 1024,
+        probed: Callable[[HostPort], bool] = lambda target: False,
     ) -> None:
+        """An open breaker of a `probed` target (a pool
+        member) lets no client request through: pdproc probes it in the background
+        (`due`, then `record` the probe's verdict), so no client pays for a probe."""
+        self._probed = probed
         self._threshold = max(1, threshold)
         self._max_cooldown = max_cooldown_s
         self._clock = clock
@@ -74,13 +79,14 @@ class CircuitBreakers:
             self._changed(target, False)
 
     def forget_unasked(self) -> None:
-        """Close the open breakers whose cooldown ended `max_cooldown_s` ago with no probe."""
+        """Close the open breakers whose cooldown ended `max_cooldown_s` ago with no probe
+        (a target probed in the background is always asked about)."""
         now = self._clock()
         for target in list(self._open):
             state = self._states.get(target)
             if state is None or state.open_until is None:
                 self._open.discard(target)
-            elif now - state.open_until > self._max_cooldown:
+            elif now - state.open_until > self._max_cooldown and not self._probed(target):
                 del self._states[target]
                 self._open.discard(target)
                 self._changed(target, False)
@@ -94,10 +100,24 @@ class CircuitBreakers:
         if state is None or state.open_until is None:
             return True
         now = self._clock()
-        if now < state.open_until:
+        if now < state.open_until or self._probed(target):
             return False
         state.open_until = now + state.cooldown_s
         return True
+
+    def due(self) -> list[HostPort]:
+        """The probed targets whose open breaker's cooldown ended: each is to be probed now,
+        and is not due again before another cooldown (a probe that never ends retries)."""
+        now = self._clock()
+        targets = []
+        for target in list(self._open):
+            state = self._states.get(target)
+            if state is None or state.open_until is None or not self._probed(target):
+                continue
+            if now >= state.open_until:
+                state.open_until = now + state.cooldown_s
+                targets.append(target)
+        return targets
 
     def is_open(self, target: HostPort) -> bool:
         state = self._states.get(target)

@@ -11,13 +11,16 @@ pod slow to read cannot make pdproc hold more than the budget.
 The bound is on the sum. A single body larger than the budget is still admitted while
 nothing else is held (bounding one body is --max-body-bytes' job).
 
-Pure bookkeeping (the gauge is handed in): no I/O.
+Pure bookkeeping (the gauge is handed in): no I/O. One handle per body (`BodyBytes`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import asyncio
 
 
 class ByteBudget:
@@ -38,54 +41,72 @@ class ByteBudget:
         self._set(self.held + size)
         return True
 
-    def add(self, size: int) -> None:
-        """Hold `size` more bytes whatever the level (bytes admitted already)."""
-        self._set(self.held + size)
-
     def give_back(self, size: int) -> None:
         self._set(self.held - size)
 
-    @contextlib.contextmanager
-    def hold(self, size: int) -> Iterator[bool]:
-        """Hold `size` bytes for the block; yields False (nothing held) when refused."""
-        if not self.take(size):
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            self.give_back(size)
-
-    def holding(self) -> Holding:
-        return Holding(self)
+    def body(self) -> BodyBytes:
+        """The handle of one request body's bytes."""
+        return BodyBytes(self)
 
     def _set(self, held: int) -> None:
         self.held = held
         self._on_change(held)
 
 
-class Holding:
-    """What one streamed body holds: grows with each chunk, released once (at its end, on
-    refusal, or when the stream ends)."""
+class BodyBytes:
+    """One request body's bytes against the budget, the one handle for them: taken as they
+    arrive (refused past the limit), held by the request and by whoever it hands them on to
+    (the decode leg still to be built from them, the prefill leg still being sent), and
+    released once, when the last of these lets go."""
 
     def __init__(self, budget: ByteBudget) -> None:
         self._budget = budget
         self.bytes = 0
+        self._holders = 1  # the request
+        self._request_let_go = False
 
-    def grow(self, size: int) -> bool:
+    def take(self, size: int) -> bool:
+        """Count `size` more bytes of the body; False (nothing counted) when the budget is
+        full with others' bytes."""
         if not self._budget.take(size, own=self.bytes):
             return False
+        if self._request_let_go:
+            # Bytes after the request let go (a message Envoy had already sent): the
+            # request holds them again, to let go of at its end.
+            self._request_let_go = False
+            self._holders += 1
         self.bytes += size
         return True
 
-    def keep(self, size: int) -> None:
-        """Count `size` more bytes, unrefused: bytes already admitted that the request goes
-        on holding (a sequential connector keeps the client's body until the prefill has
-        answered)."""
-        self._budget.add(size)
-        self.bytes += size
+    def share(self) -> Callable[[], None]:
+        """One more holder of the bytes; the function returned lets go of them (once)."""
+        self._holders += 1
+        done = False
+
+        def let_go() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self._let_go()
+
+        return let_go
+
+    def until(self, done: asyncio.Future[None] | None) -> None:
+        """The bytes stay counted until `done` is (views of them still being written)."""
+        if done is None or done.done():
+            return
+        let_go = self.share()
+        done.add_done_callback(lambda _: let_go())
 
     def release(self) -> None:
-        if self.bytes:
+        """The request lets go (again: nothing): the bytes leave the budget unless another
+        holder still has them."""
+        if not self._request_let_go:
+            self._request_let_go = True
+            self._let_go()
+
+    def _let_go(self) -> None:
+        self._holders -= 1
+        if self._holders == 0 and self.bytes:
             self._budget.give_back(self.bytes)
             self.bytes = 0

@@ -129,6 +129,9 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
         "prefill_allow",
         "pd_path",
         "pd_min_prompt",
+        "pool_policy",
+        "prefix_blocks_per_pod",
+        "prefix_balance",
     ),
     "KV connector and bootstrap": (
         "kv_connector",
@@ -149,6 +152,8 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
         "stream_body_bytes",
         "max_inflight_bytes",
         "max_prefill_connections",
+        "max_named_host_connections",
+        "dead_peer_timeout",
         "max_targets",
         "breaker_failures",
         "breaker_cooldown",
@@ -293,6 +298,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.getLogger("pdproc").info(describe_tracing())
     from pdproc.limits import apply_descriptor_limit, needed_descriptors
     from pdproc.listeners import PortInUse, check_ports_free
+    from pdproc.pod_http import CONTROL_CONNECTIONS
     from pdproc.workers import run_workers, worker_count
 
     try:
@@ -303,7 +309,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"pdproc serve: {exc}", file=sys.stderr)
         return 2
     plan = apply_descriptor_limit(
-        needed_descriptors(settings.max_prefill_connections, settings.metrics_listen is not None)
+        needed_descriptors(
+            settings.max_prefill_connections + CONTROL_CONNECTIONS,
+            settings.metrics_listen is not None,
+        )
     )
     if plan.refusal is not None:
         print(f"pdproc serve: {plan.refusal}", file=sys.stderr)

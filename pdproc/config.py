@@ -46,6 +46,13 @@ class BootstrapPolicy(Enum):
     DECODE_ONLY = "decode-only"  # let the decode pod do the whole request alone
 
 
+class PoolPolicy(Enum):
+    """How pdproc picks a prefill pool member when no endpoint picker names one."""
+
+    PREFIX = "prefix"  # the member likely to hold the prompt's prefix, within a load bound
+    LEAST_LOADED = "least-loaded"  # the member with the fewest prefills in flight
+
+
 class KvConnector(Enum):
     """The KV transfer protocol between the prefill and the decode pods (llm-d's names)."""
 
@@ -101,6 +108,13 @@ def _non_negative(value: str) -> float:
     number = _float(value)
     if not number >= 0:
         raise ValueError(f"{value} is negative")
+    return number
+
+
+def _at_least_one(value: str) -> float:
+    number = _float(value)
+    if not number >= 1:
+        raise ValueError(f"{value} is less than 1")
     return number
 
 
@@ -182,7 +196,11 @@ class Settings:
         parse_host_port,
         repeat=True,
     )
-    dns_refresh: float = _setting(10.0, "Seconds between --prefill-dns resolutions.", _positive)
+    dns_refresh: float = _setting(
+        1.0,
+        "Seconds between --prefill-dns resolutions; each lookup may take at most 0.8 of it.",
+        _positive,
+    )
     prefill_allow: AllowList = _setting(
         AllowList(),
         "CIDR, host name or * allowed as a prefill target taken from the "
@@ -202,6 +220,25 @@ class Settings:
         "Pool mode (no x-prefiller-host-port): request bodies shorter than this many bytes "
         "are served by the decode alone (0: every request is disaggregated).",
         _non_negative_int,
+    )
+    pool_policy: PoolPolicy = _setting(
+        PoolPolicy.PREFIX,
+        "Pool mode: how a prefill pool member is picked: prefix (the member likely to hold "
+        "the prompt's prefix in its KV cache, unless its load is past --prefix-balance times "
+        "the mean; docs/prefix-routing.md) or least-loaded (the fewest prefills in flight).",
+        PoolPolicy,
+    )
+    prefix_blocks_per_pod: int = _setting(
+        16384,
+        "Pool policy prefix: 256-byte prompt blocks remembered per pool member (about 120 "
+        "bytes of memory each, per worker process).",
+        _count,
+    )
+    prefix_balance: float = _setting(
+        1.25,
+        "Pool policy prefix: a member whose prefills in flight would pass this many times "
+        "the pool's mean (plus one) is not chosen for its cache.",
+        _at_least_one,
     )
     kv_connector: KvConnector = _setting(
         KvConnector.MOONCAKE,
@@ -290,8 +327,26 @@ class Settings:
     shutdown_delay: float = _setting(
         2.0, "Seconds to keep serving after SIGTERM (NOT_SERVING).", _non_negative
     )
+    dead_peer_timeout: float = _setting(
+        5.0,
+        "How long a prefill pod's node may leave what pdproc sent, or a keepalive probe, "
+        "unacknowledged before the pod is taken for dead (TCP_USER_TIMEOUT and TCP "
+        "keepalive on pod connections; a pod's compute never delays it), seconds; 0: no "
+        "bound.",
+        _non_negative,
+    )
     max_prefill_connections: int = _setting(
-        1024, "Connection pool size for prefill requests.", _count
+        1024,
+        "Prefill connections pdproc keeps open at once; a prefill waits for a free one "
+        "(counted `exhausted`, never against the pod, when none frees within "
+        "--prefill-timeout).",
+        _count,
+    )
+    max_named_host_connections: int = _setting(
+        64,
+        "Of those, the most one host named by a request header (not a pool member) may "
+        "take; past it that host's prefills are `exhausted` at once.",
+        _count,
     )
     max_targets: int = _setting(
         1024,

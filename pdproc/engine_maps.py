@@ -36,7 +36,7 @@ from opentelemetry.trace import Span, SpanKind
 from pdproc.connectors import EngineMap
 from pdproc.errors import shown
 from pdproc.metrics import Metrics
-from pdproc.pod_http import locally_exhausted, read_at_most
+from pdproc.pod_http import locally_exhausted, peer_gone, read_at_most
 from pdproc.pod_verdict import Verdict, of_bootstrap
 from pdproc.targets import HostPort
 from pdproc.telemetry import ATTR_CACHE, ATTR_ENGINES, ATTR_TARGET, Tracing, fail
@@ -215,6 +215,11 @@ class EngineMaps:
         # shield: one waiter going away (its stream ended) must not cancel the shared query.
         return await asyncio.shield(future)
 
+    async def query_now(self, target: HostPort) -> EngineMap:
+        """A fresh answer from the pod's bootstrap server (a probe), cached like any."""
+        future = self._pending.get(target.host) or self._start_query(target)
+        return await asyncio.shield(future)
+
     def learn(self, target: HostPort, verdict: Verdict) -> None:
         """Act on what a prefill said about its pod: a pod that may have restarted is asked
         again next time."""
@@ -277,7 +282,15 @@ class EngineMaps:
             ) as response:
                 status = response.status
                 payload = await read_at_most(response.content, MAX_QUERY_BYTES)
+        except aiohttp.ConnectionTimeoutError:
+            # Not even a connection (a silent node, a partition): the pod is down.
+            raise BootstrapError(
+                f"failed to query bootstrap endpoint {url}: connect timed out",
+                of_bootstrap(reached=False, local=False),
+            ) from None
         except TimeoutError:
+            # Connected, then no answer in --bootstrap-timeout: a failure, counted toward
+            # the breaker's threshold (a slow moment must not shut a pod off at once).
             raise BootstrapError(f"failed to query bootstrap endpoint {url}: timed out") from None
         except (aiohttp.ClientError, OSError) as exc:
             if locally_exhausted(exc):
@@ -285,7 +298,7 @@ class EngineMaps:
                     f"pdproc is out of resources ({exc}): bootstrap endpoint {url} not queried",
                     of_bootstrap(reached=False, local=True),
                 ) from None
-            if isinstance(exc, aiohttp.ClientConnectorError):
+            if isinstance(exc, aiohttp.ClientConnectorError) or peer_gone(exc):
                 raise BootstrapError(
                     f"failed to query bootstrap endpoint {url}: {exc}",
                     of_bootstrap(reached=False, local=False),

@@ -73,3 +73,46 @@ def shown(value: str, limit: int = 64) -> str:
     if len(text) <= limit + 2:
         return text
     return text[: limit + 1] + f"... ({len(value)} chars)"
+
+
+# OpenAI's error type per status, for a pod's refusal passed on with its own status.
+_POD_STATUS_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    413: "RequestTooLargeError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+}
+# The most of a pod's own message that reaches the client (quoted, see `shown`).
+POD_MESSAGE_CHARS = 256
+
+
+def pod_refusal_body(status: int, answer: bytes, content_type: str | None) -> bytes:
+    """A pod's 4xx answer as the OpenAI-style error the client gets: the pod's status, and
+    of its body only the message of an OpenAI-shaped JSON error (vLLM's `{"error":
+    {"message": ...}}`, `{"error": "..."}` or `{"object": "error", "message": ...}`),
+    quoted and cut short.
+    Anything else the pod sent (HTML, text, other JSON) is dropped: a pod's body is never
+    echoed as it came."""
+    message = f"the prefill pod refused the request (status {status})"
+    said = _pod_message(answer) if (content_type or "").startswith("application/json") else None
+    if said:
+        message += ": " + shown(said, POD_MESSAGE_CHARS)
+    return error_body(message, _POD_STATUS_TYPES.get(status, "BadRequestError"), status)
+
+
+def _pod_message(answer: bytes) -> str | None:
+    try:
+        parsed = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    inner = parsed.get("error")
+    if isinstance(inner, str):
+        return inner
+    found = inner.get("message") if isinstance(inner, dict) else parsed.get("message")
+    return found if isinstance(found, str) else None

@@ -16,7 +16,7 @@ from pdproc._proto.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2
 )
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.type.v3.http_status_pb2 import HttpStatus
-from pdproc.errors import ErrorReply
+from pdproc.errors import ErrorReply, pod_refusal_body
 from pdproc.extproc_wire import Encoded, body_answer
 from pdproc.request_body import Buffer
 from pdproc.targets import PREFILL_HEADER
@@ -130,18 +130,19 @@ def immediate(reply: ErrorReply) -> Message:
     )
 
 
-def passed_through(status: int, body: bytes, content_type: str | None) -> Message:
-    """A pod's own (error) answer, sent to the client as it is."""
+def passed_through(status: int, answer: bytes, content_type: str | None) -> Message:
+    """A pod's refusal (NIXL: 400-451) with its own status, as an OpenAI-style JSON error
+    (`errors.pod_refusal_body`: never the pod's body as it came)."""
     return Message(
         immediate_response=pb.ImmediateResponse(
             status=HttpStatus(code=status),
             headers=pb.HeaderMutation(
                 set_headers=[
-                    _header("content-type", (content_type or "application/json").encode()),
+                    _header("content-type", b"application/json"),
                     _header("x-pdproc-error", b"prefill_failed"),
                 ]
             ),
-            body=body,
+            body=pod_refusal_body(status, answer, content_type),
             details="pdproc_prefill_answer",
         )
     )

@@ -17,12 +17,24 @@ KV_PARAMS = "kv_transfer_params"
 # fields, loses nothing.
 GATEWAY_FIELDS = (
     KV_PARAMS,
+    # vLLM's encoder-cache transfer (encoder outputs pulled from another instance): the same
+    # kind of gateway-only pointer.
+    "ec_transfer_params",
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
     "bootstrap_pair_key",
     "disagg_prefill_dp_rank",
 )
+
+# Objects whose own members vLLM also reads the fields from, as paths from the body: vLLM
+# builds `SamplingParams.extra_args` from a client's `vllm_xargs` (chat, completions ...), and
+# the token-in route takes `sampling_params.extra_args` as it is; the engine's request reads
+# `kv_transfer_params` from `extra_args`, so a client's own there would steer the decode
+# whenever the top-level field is absent (every decode-only path). A client's gateway field
+# in any of these is refused as at the top level. (SGLang reads its bootstrap fields at the
+# top level only.)
+NESTED_CARRIERS = (("vllm_xargs",), ("sampling_params", "extra_args"))
 
 # SGLang (with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES) reads the same fields from these
 # headers (sglang/srt/entrypoints/request_headers.py). Never forwarded to any pod.

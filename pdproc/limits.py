@@ -1,5 +1,6 @@
 """Bounds on what connections to pdproc's own listeners may hold, and the descriptor
-limit they are checked against at start (issue 19, item 6).
+limit they are checked against at start, so pdproc running out of descriptors is seen at
+start, never blamed on a pod.
 
 Every connection holds a file descriptor. Without bounds, half-open connections (a request
 head never finished on the metrics port, a TCP connection that never starts its HTTP/2 or

@@ -1,4 +1,4 @@
-"""The ports pdproc listens on are its own (issue 19, item 13).
+"""The ports pdproc listens on are its own: no other process may join them.
 
 pdproc's worker processes (--workers) share their ports with SO_REUSEPORT. The kernel would
 let any other process of the same user join them the same way, and spread connections over

@@ -141,6 +141,19 @@ class Metrics:
             ["when"],
             registry=r,
         )
+        self.probes = Counter(
+            "pdproc_prefill_probes",
+            "Background probes of pool members whose breaker is open, by what they found "
+            "(up: the breaker closed; down: it stays open).",
+            ["result"],
+            registry=r,
+        )
+        self.reroutes = Counter(
+            "pdproc_bootstrap_reroutes",
+            "P/D requests moved to another prefill pool member because the chosen one's "
+            "bootstrap query failed before anything was sent to it.",
+            registry=r,
+        )
         self.processing_seconds = Histogram(
             "pdproc_request_processing_seconds",
             "Time spent inside the processor on the request path (headers + body messages).",
@@ -159,6 +172,21 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.pool_choices = Counter(
+            "pdproc_pool_choices",
+            "Pool mode's prefix policy, per request: prefix (a member holding part of the "
+            "prompt won), home (none did: the prompt's home), balance or kept (the "
+            "header-time pick stayed).",
+            ["reason"],
+            registry=r,
+        )
+        self.prefix_index_blocks = Gauge(
+            "pdproc_prefix_index_blocks",
+            "Prompt blocks the prefix policy remembers, all pool members together (about "
+            "120 bytes each).",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.breaker_open = Gauge(
             _BREAKER_OPEN,
             "1 while the circuit breaker of a prefill target is open.",
@@ -171,6 +199,13 @@ class Metrics:
             "Request-body bytes held by streams being processed (bounded by --max-inflight-bytes).",
             registry=r,
             multiprocess_mode="livesum",
+        )
+        self.dns_lookups = Counter(
+            "pdproc_dns_lookups",
+            "--prefill-dns lookups, by outcome (ok, empty, error, timeout); all but ok keep "
+            "the last good pool.",
+            ["outcome"],
+            registry=r,
         )
         self.streams_active = Gauge(
             "pdproc_streams_active",

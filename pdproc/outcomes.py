@@ -57,6 +57,8 @@ class PrefillResult(StrEnum):
     SERVER_ERROR = "5xx"
     TIMEOUT = "timeout"
     CONNECT_ERROR = "connect_error"
+    # Sent, then the pod's node stopped acknowledging (--dead-peer-timeout): the pod is down.
+    DEAD_PEER = "dead_peer"
     ERROR = "error"
     CANCELLED = "cancelled"  # the client left: pdproc cancelled it (never held against the pod)
     EXHAUSTED = "exhausted"  # pdproc out of descriptors or memory (never held against the pod)

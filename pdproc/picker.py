@@ -2,14 +2,20 @@
 
 The endpoint picker's `x-prefiller-host-port` header wins when the allow list (or the pool)
 admits it, and a header that names no pod (empty, or only commas) means "no disaggregation";
-without the header a pool member is chosen, the one with the fewest prefills in
-flight whose circuit breaker lets it be used. The caller supplies the breaker and in-flight
-views as functions, so this module holds no state and does no I/O.
+without the header a pool member is chosen (`choose_member`): of the members whose circuit
+breaker lets them be used, one of the least loaded (its prefills in flight plus the requests
+assigned to it that wait for its bootstrap query or their body), chosen among equals by
+`tie` (in turn, from a random start: `Rotation`, so equal pods share the work in each
+process, and processes and replicas, starting apart, need no shared state). The caller
+supplies the breaker and load views as functions, so this module holds no state and does no
+I/O; a routing policy (e.g. one that prefers the pod holding a prompt's prefix) slots in as
+`tie`, or in place of `choose_member`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import random
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from pdproc.targets import AllowList, HostPort, TargetError, target_from_header
@@ -45,6 +51,36 @@ class NoTarget:
 
 
 Pick = Chosen | Unavailable | Forbidden | BadRequest | NoTarget
+Tie = Callable[[Sequence[HostPort]], HostPort]
+
+
+class Rotation:
+    """A tie rule: the next of the equals each time, from a random start (its only state is
+    a counter, so a pick stays a function of the members, their load and this turn)."""
+
+    def __init__(self, start: int | None = None) -> None:
+        self._turn = random.randrange(1 << 16) if start is None else start
+
+    def __call__(self, equal: Sequence[HostPort]) -> HostPort:
+        self._turn += 1
+        return equal[self._turn % len(equal)]
+
+
+def choose_member(
+    members: Sequence[HostPort],
+    *,
+    usable: Callable[[HostPort], bool],
+    load: Callable[[HostPort], int],
+    tie: Tie = random.choice,
+    excluded: Collection[HostPort] = (),
+) -> HostPort | None:
+    """One of the least loaded usable members not in `excluded`; None when none is usable."""
+    candidates = [m for m in dict.fromkeys(members) if m not in excluded and usable(m)]
+    if not candidates:
+        return None
+    loads = [load(m) for m in candidates]
+    least = min(loads)
+    return tie([m for m, n in zip(candidates, loads, strict=True) if n == least])
 
 
 def pick_target(
@@ -54,7 +90,8 @@ def pick_target(
     allow: AllowList,
     in_pool: Callable[[HostPort], bool],
     breaker_allows: Callable[[HostPort], bool],
-    in_flight: Callable[[HostPort], int],
+    load: Callable[[HostPort], int],
+    tie: Tie = random.choice,
 ) -> Pick:
     try:
         named = target_from_header([header]) if header is not None else None
@@ -65,10 +102,10 @@ def pick_target(
             # A header that names no pod (empty, blanks, commas) is an endpoint picker's
             # "no disaggregation", as in llm-d: the decode serves the request alone.
             return NoTarget()
-        for member in sorted(pool, key=in_flight):
-            if breaker_allows(member):
-                return Chosen(member, from_pool=True)
-        return Unavailable("every prefill pool member is failing")
+        member = choose_member(pool, usable=breaker_allows, load=load, tie=tie)
+        if member is None:
+            return Unavailable("every prefill pool member is failing")
+        return Chosen(member, from_pool=True)
     if not allow.allows(named) and not in_pool(named):
         return Forbidden(f"prefill target {named} is not allowed")
     if not breaker_allows(named):

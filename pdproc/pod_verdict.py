@@ -53,6 +53,7 @@ _OF_PREFILL = {
     PrefillResult.TIMEOUT: Verdict.FAILED,
     PrefillResult.ERROR: Verdict.FAILED,
     PrefillResult.CONNECT_ERROR: Verdict.DOWN,
+    PrefillResult.DEAD_PEER: Verdict.DOWN,
     PrefillResult.CANCELLED: Verdict.NOT_THE_POD,
     PrefillResult.EXHAUSTED: Verdict.NOT_THE_POD,
     PrefillResult.INTERNAL: Verdict.NOT_THE_POD,

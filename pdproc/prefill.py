@@ -25,8 +25,9 @@ from pdproc.connectors import Legs
 from pdproc.gateway_fields import GATEWAY_HEADERS
 from pdproc.metrics import Metrics
 from pdproc.outcomes import PrefillResult
-from pdproc.pod_http import discard, locally_exhausted, read_at_most
+from pdproc.pod_http import discard, locally_exhausted, peer_gone, read_at_most
 from pdproc.request_body import Pieces
+from pdproc.slots import Slots
 from pdproc.targets import PREFILL_HEADER, HostPort
 from pdproc.telemetry import (
     ATTR_DURATION_MS,
@@ -183,15 +184,21 @@ class PrefillLauncher:
         tracing: Tracing | None = None,
         log_bodies: bool = False,
         on_outcome: OutcomeHook | None = None,
+        slots: Slots | None = None,
+        named_host: Callable[[HostPort], str | None] = lambda target: None,
     ) -> None:
         """`on_outcome` is told every prefill's outcome once it is known (after it has been
-        counted and logged): what it teaches about the pod (breakers, engine maps)."""
+        counted and logged): what it teaches about the pod (breakers, engine maps).
+        `slots` bound pdproc's connections (`named_host`: the host of a target only a
+        request header named, None for a pool member)."""
         self._client = client
         self._metrics = metrics
         self._timeout_s = timeout_s
         self._tracing = tracing or Tracing(None)
         self._log_bodies = log_bodies
         self._on_outcome = on_outcome
+        self._slots = slots or Slots(1 << 30, 1 << 30)
+        self._named_host = named_host
         self._tasks: set[asyncio.Task[None]] = set()
         self._per_target: Counter[HostPort] = Counter()
         self._per_rank: dict[HostPort, Counter[int]] = {}
@@ -205,10 +212,6 @@ class PrefillLauncher:
 
     def in_flight_by_rank(self, target: HostPort) -> Mapping[int, int]:
         return self._per_rank.get(target) or {}
-
-    @property
-    def total_in_flight(self) -> int:
-        return len(self._tasks)
 
     def launch(
         self,
@@ -273,6 +276,19 @@ class PrefillLauncher:
     async def _exchange(
         self, job: PrefillJob, headers: dict[str, str], body: aiohttp.Payload
     ) -> None:
+        """Wait for a connection slot (pdproc's own: not inside the pod's timeout), then
+        send the prefill."""
+        named = self._named_host(job.target)
+        if not await self._slots.take(named, self._timeout_s):
+            _settle(job, PrefillResult.EXHAUSTED, error="no free prefill connection at pdproc")
+            return
+        try:
+            job.started = time.perf_counter()
+            await self._send(job, headers, body)
+        finally:
+            self._slots.give_back(named)
+
+    async def _send(self, job: PrefillJob, headers: dict[str, str], body: aiohttp.Payload) -> None:
         url = job.target.url() + job.path
         try:
             async with asyncio.timeout(self._timeout_s) as deadline:
@@ -281,6 +297,9 @@ class PrefillLauncher:
                 )
                 async with response:
                     await _read_answer(job, response, deadline)
+        except aiohttp.ConnectionTimeoutError as exc:
+            # No connection within its bound (a silent node): the pod is down, no timeout.
+            _settle(job, PrefillResult.CONNECT_ERROR, error=str(exc) or "connect timed out")
         except TimeoutError:
             _settle(job, PrefillResult.TIMEOUT, error=f"no answer in {self._timeout_s:g}s")
         except (aiohttp.ClientError, OSError) as exc:
@@ -412,6 +431,8 @@ def _client_failure(exc: aiohttp.ClientError | OSError) -> tuple[PrefillResult, 
         return PrefillResult.EXHAUSTED, f"pdproc is out of resources: {exc}"
     if isinstance(exc, aiohttp.ClientConnectorError):
         return PrefillResult.CONNECT_ERROR, str(exc)
+    if peer_gone(exc):
+        return PrefillResult.DEAD_PEER, f"the pod stopped acknowledging: {exc}"
     return PrefillResult.ERROR, type(exc).__name__
 
 

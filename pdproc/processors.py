@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 
@@ -29,7 +29,7 @@ from opentelemetry.trace import Span
 
 from pdproc import extproc_messages as msg
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from pdproc.budget import ByteBudget
+from pdproc.budget import BodyBytes, ByteBudget
 from pdproc.config import BootstrapPolicy, Settings
 from pdproc.connectors import (
     AnswerError,
@@ -48,8 +48,9 @@ from pdproc.extproc_wire import Body
 from pdproc.ledger import Ledger
 from pdproc.metrics import Metrics
 from pdproc.outcomes import Outcome, PrefillResult
+from pdproc.pod_load import PodLoad
 from pdproc.pod_verdict import Verdict
-from pdproc.prefill import PrefillJob, PrefillOutcome
+from pdproc.prefill import PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.request_body import BodyError, members, parse_body
 from pdproc.streamed_body import TAIL, StreamedBody, parse_content_length
 from pdproc.targets import HostPort
@@ -58,6 +59,9 @@ from pdproc.telemetry import ATTR_CONNECTOR, ATTR_STREAMED, ATTR_TARGET, fail, t
 log = logging.getLogger(__name__)
 
 BODY_LOG_BYTES = 4096
+# Pool members a request's bootstrap query is tried on before it fails (or is served by the
+# decode alone): a bound, so a pool whose bootstrap servers all fail costs a few queries.
+BOOTSTRAP_TRIES = 3
 _OVERLOADED = ErrorReply(
     ErrorKind.OVERLOADED, "too many request bytes in flight at this gateway; retry later"
 )
@@ -80,6 +84,10 @@ Answer: TypeAlias = "msg.Response | Deferred"
 Abort = Callable[[msg.Response], None]
 
 
+def _nothing() -> None:
+    pass
+
+
 class EngineLookup(Protocol):
     """Engine maps of prefill pods (pdproc.engine_maps.EngineMaps)."""
 
@@ -90,27 +98,6 @@ class EngineLookup(Protocol):
     def invalidate(self, target: HostPort) -> None: ...
 
 
-class Launcher(Protocol):
-    """Starts prefills (pdproc.prefill.PrefillLauncher)."""
-
-    @property
-    def timeout_s(self) -> float: ...
-
-    def in_flight_by_rank(self, target: HostPort) -> Mapping[int, int]: ...
-
-    def launch(
-        self,
-        *,
-        target: HostPort,
-        legs: Legs,
-        path: str,
-        client_headers: Mapping[str, str],
-        parent_span: Span | None = None,
-        log_fields: Mapping[str, Any] | None = None,
-        keep_answer: bool = False,
-    ) -> PrefillJob: ...
-
-
 @dataclass(frozen=True, slots=True)
 class Deps:
     """What processors use beyond their request, shared by all requests of a process."""
@@ -119,11 +106,21 @@ class Deps:
     metrics: Metrics
     budget: ByteBudget  # --max-inflight-bytes
     engines: EngineLookup
-    launcher: Launcher
+    launcher: PrefillLauncher  # tests hand in a stand-in of the same shape
     # What a pod's failed bootstrap query says about it (the circuit breakers' record).
     pod_failed: Callable[[HostPort, Verdict], None]
     # Whether the gateway admits an address as a KV source (NIXL's side channel).
     admits: Callable[[HostPort], bool]
+    # Requests assigned to each pod before their prefill runs (counted as its load).
+    load: PodLoad
+    # Another usable pool member, none of those given, for a request whose pod's bootstrap
+    # query failed before anything was sent to it; None when there is none.
+    reroute: Callable[[Collection[HostPort]], HostPort | None]
+    # The pool policy's second look at a request pdproc placed, once its body is known
+    # (the header-time pick given): the member to use.
+    refine: Callable[[ClientRequest, HostPort], HostPort] | None = None
+    # A pod's engine ids, each time a request gets them (the pool policy's news of restarts).
+    engines_seen: Callable[[HostPort, EngineMap], None] | None = None
 
 
 class RequestContext:
@@ -251,9 +248,10 @@ class Rejected(PassThrough):
 def checked_body(context: RequestContext, body: Body, max_bytes: int) -> ClientRequest | ErrorReply:
     """The checks every P/D-path body passes before anything is done with it."""
     if not body.end_of_stream:
-        # Only BUFFERED delivers the whole body at once; a partial body means it outgrew
-        # Envoy's buffer (BUFFERED_PARTIAL) and cannot be checked or rewritten.
-        return ErrorReply(ErrorKind.TOO_LARGE, "request body too large to buffer")
+        # BUFFERED sends a body not marked as the request's end only when trailers follow it
+        # (a body that outgrows the buffer gets Envoy's own 413). The rewritten body could
+        # not end the request, so trailers are refused, as for a streamed body.
+        return _TRAILERS
     raw = body.body
     if len(raw) > max_bytes:
         return ErrorReply(ErrorKind.TOO_LARGE, f"request body exceeds {max_bytes} bytes")
@@ -261,6 +259,27 @@ def checked_body(context: RequestContext, body: Body, max_bytes: int) -> ClientR
         return ClientRequest(context.path, raw, parse_body(raw), context.request_id)
     except BodyError as exc:
         return ErrorReply(ErrorKind.BAD_REQUEST, str(exc))
+
+
+async def serve_checked(
+    context: RequestContext,
+    held: BodyBytes,
+    max_bytes: int,
+    body: Body,
+    serve: Callable[[ClientRequest], Awaitable[Answer]],
+) -> Answer:
+    """A whole body, counted in `held` while it is checked and `serve`d (and after, by
+    whoever `serve` hands the bytes on to); the client's 503 when the budget is full, its
+    4xx when the body fails the checks."""
+    try:
+        if not held.take(len(body)):
+            return context.reject(_OVERLOADED)
+        checked = checked_body(context, body, max_bytes)
+        if isinstance(checked, ErrorReply):
+            return context.reject(checked)
+        return await serve(checked)
+    finally:
+        held.release()
 
 
 class DecodeOnly(PassThrough):
@@ -278,13 +297,14 @@ class DecodeOnly(PassThrough):
         return msg.CHECK_BODY_ONLY_HEADERS
 
     async def request_body(self, body: Body) -> Answer:
-        with self._deps.budget.hold(len(body)) as admitted:
-            if not admitted:
-                return self.context.reject(_OVERLOADED)
-            checked = checked_body(self.context, body, self._deps.settings.max_body_bytes)
-            if isinstance(checked, ErrorReply):
-                return self.context.reject(checked)
-            return self.context.served_alone(self._outcome, self._reason)
+        deps = self._deps
+        held = deps.budget.body()
+        return await serve_checked(
+            self.context, held, deps.settings.max_body_bytes, body, self._serve
+        )
+
+    async def _serve(self, request: ClientRequest) -> Answer:
+        return self.context.served_alone(self._outcome, self._reason)
 
 
 class Disaggregated:
@@ -299,19 +319,25 @@ class Disaggregated:
         target: HostPort,
         *,
         min_prompt: int = 0,
+        from_pool: bool = False,
     ) -> None:
         self.context = context
         self._deps = deps
         self._uses_engines = connector.uses_engines
         self._target = target
+        self._claim = deps.load.claim(target)
+        self._from_pool = from_pool  # pdproc's choice: another member may stand in
         self._min_prompt = min_prompt
         self._job: PrefillJob | None = None
         self._response_seen = False
+        self._body_seen = False
         self._busy_s = 0.0
-        # Body bytes the request goes on holding against --max-inflight-bytes after its body
-        # message was answered (pdproc.budget): a streamed body's chunks as they arrive, or
-        # a sequential connector's body until its decode leg is built.
-        self._budget = deps.budget.holding()
+        # The body's bytes against --max-inflight-bytes (pdproc.budget): a buffered body's
+        # while it is processed, a streamed body's chunks as they arrive; then held on by
+        # the prefill leg until it is sent, or a sequential connector's decode leg until it
+        # is built.
+        self._budget = deps.budget.body()
+        self._let_go_after_prefill: Callable[[], None] = _nothing
         if context.span is not None:
             context.span.set_attribute(ATTR_TARGET, str(target))
             context.span.set_attribute(ATTR_CONNECTOR, connector.name)
@@ -329,31 +355,38 @@ class Disaggregated:
         return msg.CONTINUE_REQUEST_HEADERS
 
     async def request_body(self, body: Body) -> Answer:
-        with self._deps.budget.hold(len(body)) as admitted:
-            if not admitted:
-                return self.context.reject(_OVERLOADED)
-            checked = checked_body(self.context, body, self._deps.settings.max_body_bytes)
-            if isinstance(checked, ErrorReply):
-                return self.context.reject(checked)
-            if len(checked.raw) < self._min_prompt:
-                # Too short for P/D to pay: the decode does it all (--pd-min-prompt).
-                return self.context.served_alone(Outcome.SHORT_PROMPT)
-            return await self._pair(checked, None)
+        self._body_seen = True
+        max_bytes = self._deps.settings.max_body_bytes
+        return await serve_checked(self.context, self._budget, max_bytes, body, self._serve)
+
+    async def _serve(self, request: ClientRequest) -> Answer:
+        if len(request.raw) < self._min_prompt:
+            # Too short for P/D to pay: the decode does it all (--pd-min-prompt).
+            return self.context.served_alone(Outcome.SHORT_PROMPT)
+        return await self._pair(request, None)
 
     def request_trailers(self) -> Answer:
-        return msg.CONTINUE_REQUEST_TRAILERS
+        if self._body_seen or self.context.finished:
+            return msg.CONTINUE_REQUEST_TRAILERS  # a body with trailers was refused already
+        # Trailers with no body before them: refused like trailers after a body, rather
+        # than reaching the decode unchecked and uncounted.
+        return self.context.reject(_TRAILERS)
 
     async def _pair(self, request: ClientRequest, streamed: StreamedBody | None) -> Answer:
         """The body is known: the engine map (if the connector needs one), the legs, the
         prefill launched, and the body's answer. `streamed`: the body went on to the decode
         as it arrived, all but its tail."""
         started = time.perf_counter()
+        if self._from_pool and self._deps.refine is not None:
+            self._refine(request, self._deps.refine)
         engines: EngineMap | None = None
         if self._uses_engines:
-            try:
-                engines = await self._deps.engines.get(self._target, self.context.span)
-            except BootstrapError as exc:
-                return self._no_engines(exc, request, streamed)
+            found = await self._engine_map()
+            if isinstance(found, BootstrapError):
+                return self._no_engines(found, request, streamed)
+            engines = found
+            if self._deps.engines_seen is not None:
+                self._deps.engines_seen(self._target, engines)
         busy = self._deps.launcher.in_flight_by_rank(self._target)
         try:
             answer = self._launch_legs(request, engines, busy, streamed)
@@ -374,13 +407,62 @@ class Disaggregated:
         and return the body's answer."""
         raise NotImplementedError
 
+    async def _engine_map(self) -> EngineMap | BootstrapError:
+        """The target's engine map. Nothing was sent to a pod yet, so when its bootstrap
+        query fails a request pdproc placed moves to another usable member (at most
+        BOOTSTRAP_TRIES pods in all); the last failure when none could serve."""
+        tried: list[HostPort] = []
+        while True:
+            try:
+                return await self._deps.engines.get(self._target, self.context.span)
+            except BootstrapError as exc:
+                if exc.verdict is Verdict.NOT_THE_POD:
+                    return exc
+                self._deps.pod_failed(self._target, exc.verdict)
+                tried.append(self._target)
+                other = self._other_member(tried)
+                if other is None:
+                    return exc
+                self._move_to(other, exc)
+
+    def _refine(
+        self, request: ClientRequest, refine: Callable[[ClientRequest, HostPort], HostPort]
+    ) -> None:
+        """The pool policy may move the request to another member (its own claim is not
+        counted while the policy weighs the loads)."""
+        self._claim.release()
+        target = refine(request, self._target)
+        self._claim = self._deps.load.claim(target)
+        if target != self._target:
+            self._target = target
+            if self.context.span is not None:
+                self.context.span.set_attribute(ATTR_TARGET, str(target))
+
+    def _other_member(self, tried: Collection[HostPort]) -> HostPort | None:
+        if not self._from_pool or len(tried) >= BOOTSTRAP_TRIES:
+            return None
+        return self._deps.reroute(tried)
+
+    def _move_to(self, target: HostPort, exc: BootstrapError) -> None:
+        log.warning(
+            "bootstrap query failed, trying another pool member: %s",
+            exc,
+            extra=self.context.log_fields(prefill_target=str(self._target), next=str(target)),
+        )
+        self._deps.metrics.reroutes.inc()
+        self._claim.release()
+        self._target = target
+        self._claim = self._deps.load.claim(target)
+        if self.context.span is not None:
+            self.context.span.set_attribute(ATTR_TARGET, str(target))
+
     def _no_engines(
         self, exc: BootstrapError, request: ClientRequest, streamed: StreamedBody | None
     ) -> msg.Response:
-        """No engine map for the pod: reject the request, or let the decode do it alone."""
+        """No engine map for any pod tried: reject the request, or let the decode do it
+        alone."""
         if exc.verdict is Verdict.NOT_THE_POD:
             return self.context.reject(_exhausted(exc))
-        self._deps.pod_failed(self._target, exc.verdict)
         reply = ErrorReply(ErrorKind.BOOTSTRAP, str(exc))
         if self._deps.settings.on_bootstrap_error is BootstrapPolicy.REJECT:
             return self.context.reject(reply)
@@ -404,6 +486,7 @@ class Disaggregated:
             log_fields=excerpt,
             keep_answer=keep_answer,
         )
+        self._claim.release()  # the launcher counts it now
         if self.context.span is not None:
             for key, value in legs.facts.items():
                 self.context.span.set_attribute(f"pdproc.{key}", value)
@@ -450,6 +533,8 @@ class Disaggregated:
 
     def close(self, *, abandoned: bool) -> Outcome | None:
         self._budget.release()
+        self._claim.release()
+        self._let_go_after_prefill()
         if not abandoned or self.context.finished:
             return None
         job = self._job
@@ -474,8 +559,11 @@ class SequentialPair(Disaggregated):
         target: HostPort,
         *,
         min_prompt: int = 0,
+        from_pool: bool = False,
     ) -> None:
-        super().__init__(context, deps, connector, target, min_prompt=min_prompt)
+        super().__init__(
+            context, deps, connector, target, min_prompt=min_prompt, from_pool=from_pool
+        )
         self._connector = connector
 
     def _launch_legs(
@@ -488,8 +576,8 @@ class SequentialPair(Disaggregated):
         legs = self._connector.legs(request, self._target, engines, busy)
         job = self._launch(legs, request, keep_answer=True)
         # The body's answer waits for the prefill (Envoy is told to wait if it must); the
-        # client's body, kept for it till then, stays counted (released at close).
-        self._budget.keep(len(request.raw))
+        # client's body, kept for it till then, stays counted (and is let go at close).
+        self._let_go_after_prefill = self._budget.share()
         return self._deferred(job, self._released_after_prefill(job, request))
 
     async def _released_after_prefill(
@@ -501,7 +589,7 @@ class SequentialPair(Disaggregated):
         try:
             return await self._after_prefill(job, request)
         finally:
-            self._budget.release()
+            self._let_go_after_prefill()
 
     async def _after_prefill(self, job: PrefillJob, request: ClientRequest) -> msg.Response:
         """The decode leg once the prefill has answered."""
@@ -552,8 +640,11 @@ class ConcurrentPair(Disaggregated):
         abort: Abort,
         *,
         min_prompt: int = 0,
+        from_pool: bool = False,
     ) -> None:
-        super().__init__(context, deps, connector, target, min_prompt=min_prompt)
+        super().__init__(
+            context, deps, connector, target, min_prompt=min_prompt, from_pool=from_pool
+        )
         self._connector = connector
         self._abort = abort
         self._streamed: StreamedBody | None = None
@@ -593,7 +684,7 @@ class ConcurrentPair(Disaggregated):
 
     async def _stream_chunk(self, body: Body, streamed: StreamedBody) -> Answer:
         """A chunk of a streamed body: on at once, except the held-back tail."""
-        if not self._budget.grow(len(body)):
+        if not self._budget.take(len(body)):
             return self._stream_refused(_OVERLOADED)
         try:
             data = streamed.feed(body.view, body.end_of_stream)
@@ -627,7 +718,7 @@ class ConcurrentPair(Disaggregated):
         if self._streamed is not None and not self.context.finished:
             # Only a chunk marked as the body's last can carry its rewritten end.
             return self._stream_refused(_TRAILERS)
-        return msg.CONTINUE_REQUEST_TRAILERS
+        return super().request_trailers()
 
     def _launch_legs(
         self,
@@ -648,20 +739,11 @@ class ConcurrentPair(Disaggregated):
             )
             answer = msg.last_chunk_response(tail)
         job = self._launch(legs, request, keep_answer=False)
-        self._held_until_sent(job, len(request.raw))
+        # The client's body stays counted until the prefill leg (views of it) is written to
+        # the pod: a pod slow to read must not let pdproc hold more than the budget says.
+        self._budget.until(job.body_sent)
         job.outcome.add_done_callback(self._prefill_done)
         return answer
-
-    def _held_until_sent(self, job: PrefillJob, size: int) -> None:
-        """The client's body stays counted against --max-inflight-bytes until the prefill
-        body (views of it) is written to the pod: a pod slow to read must not let pdproc
-        hold more than the budget says."""
-        sent = job.body_sent
-        if sent is None or sent.done():
-            return
-        sending = self._deps.budget.holding()
-        sending.keep(size)
-        sent.add_done_callback(lambda _: sending.release())
 
     def _prefill_done(self, outcome: asyncio.Future[PrefillOutcome]) -> None:
         """Count a failure (and abort the request at once if the decode has not answered);

@@ -12,7 +12,11 @@ members, where the members pdproc overrides are replaced and every other one is 
 the client spelled it. So both legs carry every number and string exactly, and a duplicate
 key (which the engines, like msgspec, read as its last value) reaches the prefill once. The
 members that are not plain ASCII strings are decoded in full once, in C, to check them
-(nesting, UTF-8, number range); the decoded values are dropped at once.
+(nesting, UTF-8, number range); the decoded values are dropped at once. That decode holds
+every value of a member as a Python object, so first a bound on what it may hold is counted
+in C over the member's bytes (commas and opening brackets): a member of millions of tiny
+values (`[0,0,0,...]`, `[{},{},...]`) is refused before it is decoded, at the cost of a
+byte count, and never blocks the event loop or grows pdproc's memory beyond its bytes.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import msgspec
+import orjson
 
-from pdproc.gateway_fields import GATEWAY_FIELDS
+from pdproc.gateway_fields import GATEWAY_FIELDS, NESTED_CARRIERS
 from pdproc.gateway_fields import KV_PARAMS as KV_PARAMS
 
 Members: TypeAlias = dict[str, msgspec.Raw]
@@ -44,7 +49,14 @@ class BodyError(ValueError):
 MAX_NESTING = 254
 # The engines hold integers in 64 bits (vLLM's seed is an int64): larger ones are refused
 # here as before, one rule for both legs.
-_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # orjson's encoder refuses exactly beyond these
+# At most this many JSON values in one top-level member (counted as its commas plus its
+# opening brackets, those inside strings too, so an over-estimate): a token-id prompt of a
+# million tokens fits; the decode it bounds costs at most ~100 ms and a few tens of MiB.
+MAX_VALUES = 1 << 20
+# At most this many top-level members: the engines' request models have about a hundred.
+MAX_MEMBERS = 4096
+_COUNTED_CHUNK = 1 << 20
 _MEMBERS = msgspec.json.Decoder(Members)
 _ENCODER = msgspec.json.Encoder()
 
@@ -60,6 +72,8 @@ def parse_body(raw: ClientBytes) -> Members:
         raise BodyError(f"invalid JSON body: {exc}") from None
     except RecursionError:
         raise BodyError("request body is nested too deeply") from None
+    if len(members) > MAX_MEMBERS:
+        raise BodyError(f"request body has more than {MAX_MEMBERS} top-level fields")
     for name in GATEWAY_FIELDS:
         if name in members:
             # Only the gateway may point a decode pod at a KV source.
@@ -71,7 +85,24 @@ def parse_body(raw: ClientBytes) -> Members:
         if ascii_only and value_kind(value) == "string":
             continue
         _check_value(value)
+    # After the values' bound: a carrier is decoded one level more.
+    for path in NESTED_CARRIERS:
+        _refuse_nested_fields(members, path)
     return members
+
+
+def _refuse_nested_fields(members: Members, path: tuple[str, ...]) -> None:
+    """BodyError if the object at `path` (from the body) has a gateway field."""
+    current: Members | None = members
+    for name in path:
+        value = current.get(name) if current is not None else None
+        current = _as_object(value) if value is not None else None
+    if current is None:
+        return
+    for name in GATEWAY_FIELDS:
+        if name in current:
+            dotted = ".".join((*path, name))
+            raise BodyError(f"{dotted} is set by the gateway, not by clients")
 
 
 def _json_kind(raw: ClientBytes) -> str:
@@ -92,37 +123,56 @@ def value_kind(value: msgspec.Raw) -> str:
 
 
 def _check_value(value: msgspec.Raw) -> None:
-    """Decode one member in full (msgspec, in C) and check what it holds; iterative: the
-    client controls the nesting."""
+    """Decode one member in full (msgspec, in C) and check what it holds (orjson's encoder,
+    in C: it refuses integers beyond 64 bits and nesting beyond 254 levels, pdproc's own two
+    rules); a member of more values than MAX_VALUES is refused before it is decoded."""
+    if value_kind(value) in ("object", "array") and values_bound(value) > MAX_VALUES:
+        raise BodyError(f"a request body field holds more than {MAX_VALUES} JSON values")
     try:
         decoded = msgspec.json.decode(value)
     except msgspec.DecodeError as exc:
         raise BodyError(f"invalid JSON body: {exc}") from None
     except RecursionError:
         raise BodyError("request body is nested too deeply") from None
-    pending: list[tuple[Any, int]] = [(decoded, 2)]
+    if not isinstance(decoded, (dict, list, int)):
+        return
+    try:
+        # The member sits at level 2 (the body is level 1): one list around it puts it at
+        # level 2 of orjson's count too, whose limit is MAX_NESTING.
+        orjson.dumps([decoded])
+    except orjson.JSONEncodeError as exc:
+        if "Recursion" in str(exc):
+            raise BodyError("request body is nested too deeply") from None
+        raise BodyError(
+            f"integer {_first_wide_integer(decoded)}... does not fit in 64 bits"
+        ) from None
+
+
+def values_bound(value: msgspec.Raw) -> int:
+    """At least the number of JSON values in a member: its commas and opening brackets plus
+    one (those inside strings count too). Counted in C, a chunk at a time (no copy of the
+    member)."""
+    view = memoryview(value)
+    total = 1
+    for start in range(0, len(view), _COUNTED_CHUNK):
+        chunk = bytes(view[start : start + _COUNTED_CHUNK])
+        total += chunk.count(b",") + chunk.count(b"[") + chunk.count(b"{")
+    return total
+
+
+def _first_wide_integer(decoded: Any) -> str:
+    """The first 24 digits of an integer beyond 64 bits (for the client's message), found
+    only once the body is known to hold one and at most MAX_VALUES values."""
+    pending: list[Any] = [decoded]
     while pending:
-        item, level = pending.pop()
-        kind = type(item)
-        if kind is int:
-            if not _INT_MIN <= item <= _INT_MAX:
-                raise BodyError(f"integer {str(item)[:24]}... does not fit in 64 bits")
-        elif kind is dict or kind is list:
-            if level > MAX_NESTING:
-                raise BodyError("request body is nested too deeply")
-            for child in item.values() if kind is dict else item:
-                if type(child) in _CHECKED:
-                    pending.append((child, level + 1))
-
-
-_CHECKED = frozenset({dict, list, int})
-
-
-def value_of(members: Mapping[str, Any], key: str) -> Any:
-    """A member's value as Python data (a Raw member is decoded; a test's plain dict is read
-    as it is)."""
-    value = members[key]
-    return msgspec.json.decode(value) if isinstance(value, msgspec.Raw) else value
+        item = pending.pop()
+        if type(item) is int and not _INT_MIN <= item <= _INT_MAX:
+            return str(item)[:24]
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return "?"
 
 
 def dumps(data: Mapping[str, Any]) -> bytes:

@@ -21,12 +21,5 @@ def is_plain(value: str) -> bool:
     return _TOKEN.fullmatch(value) is not None
 
 
-def request_id(value: str | None) -> str:
-    """The client's id when it is a plain token, else a fresh `pdproc-<uuid4 hex>`."""
-    if value and is_plain(value):
-        return value
-    return new_request_id()
-
-
 def new_request_id() -> str:
     return "pdproc-" + uuid.uuid4().hex

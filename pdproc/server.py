@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -18,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pdproc import limits
+from pdproc import limits, pod_http
 from pdproc.breaker import CircuitBreakers
 from pdproc.config import KvConnector, Settings
 from pdproc.connectors import Connector
@@ -32,8 +33,10 @@ from pdproc.http_site import BoundedTCPSite
 from pdproc.listeners import PortInUse
 from pdproc.metrics import MULTIPROC_ENV, Metrics
 from pdproc.pod_http import new_session
-from pdproc.prefill import PrefillLauncher
+from pdproc.prefill import OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
+from pdproc.probes import Prober
 from pdproc.service import ExtProcService, pod_feedback
+from pdproc.slots import Slots
 from pdproc.targets import AllowList, HostPort
 from pdproc.telemetry import Tracing
 
@@ -74,6 +77,7 @@ class Server:
         self.service: ExtProcService | None = None
         self._dns: DnsPool | None = None
         self._breaker_sweep: asyncio.Task[None] | None = None
+        self._prober: asyncio.Task[None] | None = None
 
     async def _new_service(self, client: aiohttp.ClientSession) -> ExtProcService:
         """The ext_proc service and what it shares between streams (engine maps, breakers,
@@ -90,11 +94,16 @@ class Server:
             tracing=self.tracing,
             siblings=_siblings(),
         )
+        self._dns = self._dns_pool()
+        if self._dns is not None:
+            await self._dns.start()
+        is_member = _membership(s.prefill, self._dns)
         breakers = CircuitBreakers(
             s.breaker_failures,
             s.breaker_cooldown,
             on_change=self._breaker_changed,
             max_targets=s.max_targets,
+            probed=is_member,
         )
         launcher = PrefillLauncher(
             client,
@@ -102,14 +111,21 @@ class Server:
             timeout_s=s.prefill_timeout,
             tracing=self.tracing,
             log_bodies=s.log_bodies,
-            on_outcome=pod_feedback(breakers, engines),
+            on_outcome=self._prefill_ended(pod_feedback(breakers, engines)),
+            slots=Slots(s.max_prefill_connections, s.max_named_host_connections),
+            named_host=lambda target: None if is_member(target) else target.host,
         )
-        self._dns = DnsPool(s.prefill_dns, s.dns_refresh) if s.prefill_dns else None
-        if self._dns is not None:
-            await self._dns.start()
+        connector = connector_for(s)
+        prober = Prober(
+            client,
+            breakers,
+            self.metrics,
+            timeout_s=s.bootstrap_timeout,
+            engines=engines if connector.uses_engines else None,
+        )
         service = ExtProcService(
             s,
-            connector_for(s),
+            connector,
             engines,
             launcher,
             breakers,
@@ -117,12 +133,23 @@ class Server:
             self.tracing,
             dns_pool=self._dns,
         )
-        self._breaker_sweep = asyncio.get_running_loop().create_task(_sweep(breakers))
+        loop = asyncio.get_running_loop()
+        self._breaker_sweep = loop.create_task(_sweep(breakers))
+        self._prober = loop.create_task(prober.run())
         return service
+
+    def _dns_pool(self) -> DnsPool | None:
+        s = self.settings
+        if not s.prefill_dns:
+            return None
+        lookups = self.metrics.dns_lookups
+        return DnsPool(s.prefill_dns, s.dns_refresh, on_lookup=lambda o: lookups.labels(o).inc())
 
     async def start(self) -> None:
         s = self.settings
-        self._client = new_session(s.max_prefill_connections)
+        self._client = new_session(
+            s.max_prefill_connections + pod_http.CONTROL_CONNECTIONS, s.dead_peer_timeout
+        )
         self.service = await self._new_service(self._client)
         _warn_about_settings(s)
 
@@ -155,8 +182,20 @@ class Server:
             },
         )
 
+    def _prefill_ended(self, feedback: OutcomeHook) -> OutcomeHook:
+        """The pods' feedback, then the pool policy's (it learns from the answers)."""
+
+        def on_outcome(job: PrefillJob, outcome: PrefillOutcome) -> None:
+            feedback(job, outcome)
+            if self.service is not None:
+                self.service.prefill_ended(job, outcome)
+
+        return on_outcome
+
     def _breaker_changed(self, target: HostPort, is_open: bool) -> None:
         self.metrics.breaker_changed(target, is_open)
+        if self.service is not None:
+            self.service.breaker_changed(target, is_open)
         log.warning(
             "prefill circuit breaker %s",
             "opened" if is_open else "closed",
@@ -227,6 +266,8 @@ class Server:
             await self._dns.stop()
         if self._breaker_sweep is not None:
             self._breaker_sweep.cancel()
+        if self._prober is not None:
+            self._prober.cancel()
         if self._client is not None:
             await self._client.close()
         if self._web is not None:
@@ -301,6 +342,16 @@ def _siblings() -> Siblings | None:
     directory the parent made."""
     shared = os.environ.get(MULTIPROC_ENV)
     return None if shared is None else Siblings(os.path.join(shared, "stale-engine-maps"))
+
+
+def _membership(static: tuple[HostPort, ...], dns: DnsPool | None) -> Callable[[HostPort], bool]:
+    """Whether a target is a pool member (the operator's), not only named by a header."""
+    members = frozenset(static)
+
+    def is_member(target: HostPort) -> bool:
+        return target in members or (dns is not None and target in dns.members)
+
+    return is_member
 
 
 async def _sweep(breakers: CircuitBreakers) -> None:

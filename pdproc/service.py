@@ -9,14 +9,14 @@ processor that answers it (see processors.py).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from typing import Any
 
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.breaker import CircuitBreakers
 from pdproc.budget import ByteBudget
-from pdproc.config import BootstrapPolicy, Settings
+from pdproc.config import BootstrapPolicy, PoolPolicy, Settings
 from pdproc.connectors import Concurrent, Connector
 from pdproc.discovery import DnsPool
 from pdproc.engine_maps import EngineMaps
@@ -31,10 +31,14 @@ from pdproc.picker import (
     Forbidden,
     NoTarget,
     Pick,
+    Rotation,
     Unavailable,
+    choose_member,
     pick_target,
 )
-from pdproc.pod_verdict import of_prefill
+from pdproc.pod_load import PodLoad
+from pdproc.pod_verdict import Verdict, of_prefill
+from pdproc.pool_choice import PrefixPool
 from pdproc.prefill import OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.processors import (
     Abort,
@@ -79,7 +83,22 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._static_pool = frozenset(settings.prefill)
         self.draining = False  # shutting down: no new prefills, the decode serves alone
         self._outcome_counters: dict[tuple[str, str, str], Any] = {}
+        self.load = PodLoad(launcher.in_flight)
+        self._tie = Rotation()
         self.budget = ByteBudget(settings.max_inflight_bytes, metrics.bodies_bytes.set)
+        self.prefix_pool: PrefixPool | None = None
+        if settings.pool_policy is PoolPolicy.PREFIX:
+            self.prefix_pool = PrefixPool(
+                self.pool,
+                is_open=breakers.is_open,
+                allow=breakers.allow,
+                in_flight=self.load,
+                blocks_per_pod=settings.prefix_blocks_per_pod,
+                balance=settings.prefix_balance,
+                on_choice=lambda reason: metrics.pool_choices.labels(reason).inc(),
+                on_index=metrics.prefix_index_blocks.set,
+                reads_answers=not isinstance(connector, Concurrent),
+            )
         self.deps = Deps(
             settings=settings,
             metrics=metrics,
@@ -88,6 +107,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             launcher=launcher,
             pod_failed=breakers.record,
             admits=self.admits,
+            load=self.load,
+            reroute=self.reroute,
+            refine=self.prefix_pool.refine if self.prefix_pool else None,
+            engines_seen=self.prefix_pool.engines_seen if self.prefix_pool else None,
         )
 
     async def Process(
@@ -139,7 +162,15 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             allow=self.settings.prefill_allow,
             in_pool=self.is_pool_member,
             breaker_allows=self.breakers.allow,
-            in_flight=self.launcher.in_flight,
+            load=self.load,
+            tie=self._tie,
+        )
+
+    def reroute(self, tried: Collection[HostPort]) -> HostPort | None:
+        """Another usable pool member than those `tried`, for a request whose bootstrap
+        query failed before anything was sent."""
+        return choose_member(
+            self.pool(), usable=self.breakers.allow, load=self.load, excluded=tried
         )
 
     def _processor_for(self, pick: Pick, context: RequestContext, abort: Abort) -> RequestProcessor:
@@ -167,9 +198,17 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         connector = self.connector
         if isinstance(connector, Concurrent):
             return ConcurrentPair(
-                context, self.deps, connector, target, abort, min_prompt=min_prompt
+                context,
+                self.deps,
+                connector,
+                target,
+                abort,
+                min_prompt=min_prompt,
+                from_pool=from_pool,
             )
-        return SequentialPair(context, self.deps, connector, target, min_prompt=min_prompt)
+        return SequentialPair(
+            context, self.deps, connector, target, min_prompt=min_prompt, from_pool=from_pool
+        )
 
     def ledger(self, path: str) -> Ledger:
         """A ledger for a stream that never became a request (its first message unreadable,
@@ -188,6 +227,18 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if self.dns_pool is None:
             return self.settings.prefill
         return self.settings.prefill + self.dns_pool.members
+
+    def prefill_ended(self, job: PrefillJob, outcome: PrefillOutcome) -> None:
+        if self.prefix_pool is None:
+            return
+        self.prefix_pool.answered(job.request_id, job.target, outcome.answer)
+        verdict = of_prefill(outcome.outcome)
+        if verdict in (Verdict.DOWN, Verdict.FAILED) and self.is_pool_member(job.target):
+            self.prefix_pool.prefill_failed(job.target)
+
+    def breaker_changed(self, target: HostPort, is_open: bool) -> None:
+        if is_open and self.prefix_pool is not None:
+            self.prefix_pool.breaker_opened(target)
 
     def admits(self, address: HostPort) -> bool:
         """Whether the gateway lets `address` be a KV source a prefill pod names (NIXL's side

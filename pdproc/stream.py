@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Coroutine
 from enum import Enum
-from typing import Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -24,9 +24,12 @@ from pdproc import extproc_messages as msg
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.errors import ErrorKind, ErrorReply
 from pdproc.extproc_wire import BodyRequest
-from pdproc.ledger import Ledger
 from pdproc.outcomes import Outcome
-from pdproc.processors import Abort, Deferred, RequestProcessor
+from pdproc.processors import Deferred, RequestProcessor
+
+if TYPE_CHECKING:
+    # Where a stream's request gets its processor (tests hand in a stand-in of its shape).
+    from pdproc.service import ExtProcService
 
 log = logging.getLogger(__name__)
 
@@ -46,24 +49,8 @@ class Phase(Enum):
     DONE = "done"  # an immediate response went out: Envoy is closing the stream
 
 
-class Requests(Protocol):
-    """Where a stream's request gets its processor (pdproc.service.ExtProcService)."""
-
-    def open_request(
-        self,
-        headers: dict[str, str],
-        end_of_stream: bool,
-        *,
-        single_message: bool,
-        call_metadata: Callable[[], Mapping[str, str]],
-        abort: Abort,
-    ) -> RequestProcessor: ...
-
-    def ledger(self, path: str) -> Ledger: ...
-
-
 class Stream:
-    def __init__(self, requests: Requests, context: ServicerContext) -> None:
+    def __init__(self, requests: ExtProcService, context: ServicerContext) -> None:
         self._requests = requests
         self._context = context
         self.phase = Phase.REQUEST_HEADERS
@@ -100,7 +87,7 @@ class Stream:
                 log.exception("ext_proc message handling failed")
                 answer = self._internal_error()
             # Neither waits here for the next message: a long prompt's body and its rewritten
-            # answer would stay alive until the decode answers (issue 22).
+            # answer would stay alive until the decode answers, for every open stream.
             del message
             await self._deliver(answer)
             del answer
@@ -142,14 +129,25 @@ class Stream:
                 return msg.CONTINUE_RESPONSE_HEADERS
             return self._processor.response_headers(message.response_headers)
         if kind == "request_trailers":
-            if self._processor is None or self.phase is not Phase.REQUEST_BODY:
-                return msg.CONTINUE_REQUEST_TRAILERS
-            self.phase = Phase.RESPONSE_HEADERS
-            return self._processor.request_trailers()
+            return self._request_trailers(message)
         if kind in msg.CONTINUE:
             return msg.CONTINUE[kind]
         log.warning("unexpected ext_proc message %r ignored", kind)
         return msg.CONTINUE_REQUEST_BODY
+
+    def _request_trailers(self, message: pb.ProcessingRequest) -> msg.Response | Deferred:
+        processor = self._processor
+        if processor is None and self.phase is Phase.REQUEST_HEADERS:
+            # Single-message mode, trailers and no body: the trailers are the first message,
+            # and carry the request's attributes.
+            attributes = msg.headers_from_attributes(message)
+            if attributes is not None:
+                processor = self._open(attributes, False, single_message=True)
+                self.phase = Phase.REQUEST_BODY
+        if processor is None or self.phase is not Phase.REQUEST_BODY:
+            return msg.CONTINUE_REQUEST_TRAILERS
+        self.phase = Phase.RESPONSE_HEADERS
+        return processor.request_trailers()
 
     async def _request_headers(self, headers: pb.HttpHeaders) -> msg.Response | Deferred:
         if self.phase is not Phase.REQUEST_HEADERS or self._processor is not None:

@@ -24,6 +24,22 @@ from pdproc.request_body import BodyError, Buffer, ClientBytes, closing_brace
 # and Envoy's last chunk is often only the few bytes left over from a large read.
 TAIL = 16
 
+# Each chunk is one ext_proc message, and a message costs pdproc the same whether it holds
+# 8 bytes or 16 KiB. So that a body's cost follows its bytes, not how finely its sender
+# cut it, a streamed body may come in at most `max_chunks(length)` chunks: on average at
+# least CHUNK_BYTES each, after a few small ones for free. Real senders are far above
+# this: HTTP/2 clients send DATA frames of up to 16 KiB, and Envoy reads HTTP/1.1 bodies
+# from the socket many TCP segments at a time; a client that sends hundreds of thousands
+# of tiny frames gets a 400 instead. (Envoy coalesces frames while pdproc lags, see the
+# pdproc cluster's buffer limit in the bootstrap, so the count stays under the frames.)
+CHUNK_BYTES = 512
+FREE_CHUNKS = 64
+
+
+def max_chunks(length: int) -> int:
+    """The most chunks a streamed body of `length` bytes may arrive in."""
+    return FREE_CHUNKS + length // CHUNK_BYTES
+
 
 def parse_content_length(value: str | None) -> int | None:
     """A content-length header's value, or None when there is none or it is not plain
@@ -48,10 +64,17 @@ class StreamedBody:
         self._buffer: bytearray | None = None
         self._received = 0
         self._released = 0  # bytes already passed on to the decode
+        self._chunks_left = max_chunks(length)
 
     def feed(self, chunk: Buffer, end_of_stream: bool) -> Buffer | None:
         """Take one chunk; None when it goes on unchanged, else the bytes that replace it.
         BodyError when the body does not match its content-length."""
+        self._chunks_left -= 1
+        if self._chunks_left < 0:
+            raise BodyError(
+                f"request body arrives in too many pieces: more than {max_chunks(self.length)}"
+                f" for {self.length} bytes (send it in larger HTTP/2 DATA frames or writes)"
+            )
         start = self._received
         self._received += len(chunk)
         if self._received > self.length:

@@ -167,6 +167,7 @@ def worker_settings(settings: Settings, count: int) -> Settings:
         workers=1,
         max_inflight_bytes=max(1, settings.max_inflight_bytes // count),
         max_prefill_connections=max(1, settings.max_prefill_connections // count),
+        max_named_host_connections=max(1, settings.max_named_host_connections // count),
     )
 
 

@@ -77,7 +77,7 @@ class OnFailure(Enum):
     connector's failed prefill always ends the request, its decode waiting for KV that
     will never come)."""
 
-    PASS_THROUGH = "pass_through"  # the prefill's own answer goes back as it is
+    PASS_THROUGH = "pass_through"  # the prefill's status (and JSON message) reach the client
     DECODE_ALONE = "decode_alone"  # the decode serves the original request alone
 
 
@@ -148,17 +148,6 @@ class Concurrent:
             rank=plan.rank,
             facts=plan.facts,
         )
-
-    def legs(
-        self,
-        request: ClientRequest,
-        target: HostPort,
-        engines: EngineMap | None,
-        busy_ranks: Mapping[int, int],
-    ) -> Legs:
-        """Both legs of one request."""
-        plan = self.plan(target, engines, busy_ranks)
-        return self.prefill_leg(request, plan, self.decode_leg(request, plan))
 
 
 Connector: TypeAlias = Concurrent | Sequential

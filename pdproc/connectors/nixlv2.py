@@ -186,7 +186,6 @@ def _plain_extras(params: Mapping[str, Any]) -> dict[str, Any]:
 class NixlV2:
     name = "nixlv2"
     uses_engines = False
-    sequential = True
 
     def legs(
         self,

@@ -133,6 +133,12 @@ def _add_prefill_flags(parser: argparse.ArgumentParser) -> None:
         "--prefill-ms-per-kib", type=_seconds, default=0.0, help="extra delay per KiB of body"
     )
     parser.add_argument(
+        "--rank-concurrency",
+        type=_non_negative_int,
+        default=0,
+        help="prefills one DP rank computes at once, the rest wait in FIFO order (0: no limit)",
+    )
+    parser.add_argument(
         "--kv-ttl-s", type=_seconds, default=600.0, help="keep finished transfers this long"
     )
     parser.add_argument(
@@ -141,6 +147,29 @@ def _add_prefill_flags(parser: argparse.ArgumentParser) -> None:
         default=SGLANG_BOOTSTRAP_TIMEOUT_S,
         help="sglang: how long a prefill waits for its decode to bootstrap, then answers 500 "
         "(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
+    )
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prefix-cache-blocks",
+        type=_non_negative_int,
+        default=0,
+        help="prefix cache per engine, in 16-token (64-character) blocks, LRU (0: none); "
+        "answers then carry usage.prompt_tokens_details.cached_tokens",
+    )
+    parser.add_argument(
+        "--prefill-ms-per-token",
+        type=_seconds,
+        default=0.0,
+        help="compute time per prompt token not found in the prefix cache",
     )
 
 
@@ -187,11 +216,13 @@ def build_parser(prog: str = "pdproc sim") -> argparse.ArgumentParser:
         "--bootstrap-port", type=port_number, default=_DEFAULT_BOOTSTRAP_PORT, help=_BOOTSTRAP_PORT
     )
     _add_prefill_flags(prefill)
+    _add_cache_flags(prefill)
 
     decode = sub.add_parser("decode", help="decode server", formatter_class=_FORMAT)
     _add_common(decode)
     decode.add_argument("--port", type=port_number, default=_DEFAULT_DECODE_PORT, help=_DECODE_PORT)
     _add_decode_flags(decode)
+    _add_cache_flags(decode)
 
     pair = sub.add_parser(
         "pair", help="prefill, bootstrap and decode in one process", formatter_class=_FORMAT
@@ -208,6 +239,7 @@ def build_parser(prog: str = "pdproc sim") -> argparse.ArgumentParser:
     )
     _add_prefill_flags(pair)
     _add_decode_flags(pair)
+    _add_cache_flags(pair)
     return parser
 
 
@@ -225,6 +257,9 @@ def prefill_config(args: argparse.Namespace, port: int) -> PrefillConfig:
         record_limit=args.record_limit,
         kv_connector=args.kv_connector,
         sglang_bootstrap_timeout_s=args.sglang_bootstrap_timeout_s,
+        prefix_cache_blocks=args.prefix_cache_blocks,
+        prefill_ms_per_token=args.prefill_ms_per_token,
+        rank_concurrency=args.rank_concurrency,
     )
 
 
@@ -240,6 +275,8 @@ def decode_config(args: argparse.Namespace, port: int) -> DecodeConfig:
         record_limit=args.record_limit,
         kv_connector=args.kv_connector,
         require_kv=args.require_kv,
+        prefix_cache_blocks=args.prefix_cache_blocks,
+        prefill_ms_per_token=args.prefill_ms_per_token,
     )
 
 

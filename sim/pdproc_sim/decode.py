@@ -4,6 +4,7 @@ emits a token once the KV of the matching prefill has really arrived."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import orjson
 from aiohttp import web
 from yarl import URL
 
-from pdproc_sim import httpd
+from pdproc_sim import engine_metrics, httpd
 from pdproc_sim.connectors import (
     DEFAULT_KV_TIMEOUT_S,
     MOONCAKE,
@@ -38,6 +39,7 @@ from pdproc_sim.openai_shapes import (
     prompt_digest,
     wants_stream,
 )
+from pdproc_sim.prefix_cache import EngineCaches, block_hashes, rendered_prompt
 from pdproc_sim.state import JsonObject, RoleState, TransferResult, fault_status
 
 # The long poll itself ends at the KV timeout on the bootstrap side; this margin only guards
@@ -65,6 +67,11 @@ class DecodeConfig:
     # Reject completions that carry no KV hand-over (400) instead of serving them alone.
     # An SGLang decode always does.
     require_kv: bool = False
+    # The decode's own prefix cache, in 16-token blocks (0: none): it keeps the blocks it
+    # received and those it generated, so a request that lands here again finds them.
+    prefix_cache_blocks: int = 0
+    # Compute time per prompt token a decode serving a request alone finds uncached.
+    prefill_ms_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         check_connector(self.kv_connector)
@@ -112,6 +119,7 @@ class DecodeState(RoleState):
         # /query (vLLM's `_remote_agents`): kept for the process's life, even once a restart
         # replaced them.
         self.known_engines: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.cache = EngineCaches(1, config.prefix_cache_blocks)
         self._zero_counters()
 
     def _zero_counters(self) -> None:
@@ -135,6 +143,7 @@ class DecodeState(RoleState):
     def reset(self) -> None:
         super().reset()
         self._zero_counters()
+        self.cache.reset_counts()
 
     def injected_status(self) -> int | None:
         return self.fault_status
@@ -314,6 +323,28 @@ class _Job:
     kv: DecodeTicket | None
     stream: bool
     digest: str
+    prompt_text: str
+
+
+async def _prompt_ready(state: DecodeState, job: _Job) -> _Job:
+    """The prompt's KV is here (received, or found cached and the rest computed): the
+    answer reports the cached tokens, and the cache keeps the prompt and what is generated."""
+    caches = state.cache
+    if not caches.enabled:
+        return job
+    completion = job.completion
+    found = caches.lookup(0, job.prompt_text)
+    received = job.kv is not None
+    if not received:
+        await httpd.pause(state.config.prefill_ms_per_token * found.uncached_tokens / 1000)
+    caches.count(0, found, received=received)
+    caches.store(0, block_hashes(job.prompt_text + completion.text))
+    # vLLM counts KV received from the prefill as computed before the decode ran.
+    cached = found.prompt_tokens - 1 if received else found.cached_tokens
+    counted = dataclasses.replace(
+        completion, prompt_tokens=found.prompt_tokens, cached_tokens=cached
+    )
+    return dataclasses.replace(job, completion=counted)
 
 
 async def _serve_completion(
@@ -346,7 +377,7 @@ def _validate(
         raise BadRequest("the simulator does not stream /inference/v1/generate")
     n_tokens = min(limit or state.config.default_tokens, MAX_GENERATED_TOKENS)
     completion = Completion.for_request(api, body, body_bytes, n_tokens, limit, state.config.model)
-    return _Job(completion, kv, stream, prompt_digest(api, body))
+    return _Job(completion, kv, stream, prompt_digest(api, body), rendered_prompt(api, body))
 
 
 def _timing(state: DecodeState) -> tuple[float, float]:
@@ -360,6 +391,7 @@ async def _unary(state: DecodeState, job: _Job, exchange: httpd.Exchange) -> web
         if failure is not None:
             reply = httpd.json_response(failure.body(job.kv, streamed=False), 500)
             return exchange.reply(reply, f"kv_failed:{failure.reason}")
+    job = await _prompt_ready(state, job)
     first_token_s, itl_s = _timing(state)
     await httpd.pause(first_token_s + itl_s * max(0, job.completion.n_tokens - 1))
     state.completed += 1
@@ -376,6 +408,7 @@ async def _stream(
         if failure is not None:
             exchange.outcome = f"kv_failed:{failure.reason}"
             return await _stream_error(exchange, response, failure.body(job.kv, streamed=True))
+    job = await _prompt_ready(state, job)
     await httpd.stream_completion(exchange, response, job.completion, _timing(state))
     if not exchange.was_cancelled:
         state.completed += 1
@@ -415,6 +448,7 @@ def build_decode_app(state: DecodeState) -> web.Application:
     httpd.add_completion_routes(app, state, partial(_serve_completion, state))
     httpd.add_model_routes(app, state.config.model)
     httpd.add_introspection_routes(app, state)
+    httpd.add_metrics_route(app, partial(engine_metrics.render, state.cache, state.config.model))
     # Registered last: aiohttp falls through to it for unknown paths and for other methods
     # on the routes above, so passthrough tests see every request arrive.
     passthrough = httpd.exchange_handler(state, partial(_passthrough, state))

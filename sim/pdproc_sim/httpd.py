@@ -170,6 +170,15 @@ def add_introspection_routes(app: web.Application, state: RoleState) -> None:
     app.router.add_post("/sim/faults", set_faults)
 
 
+def add_metrics_route(app: web.Application, page: Callable[[], str]) -> None:
+    """GET /metrics: the engine's Prometheus page (vLLM's metric names)."""
+
+    async def metrics(_: web.Request) -> web.StreamResponse:
+        return web.Response(text=page(), content_type="text/plain", charset="utf-8")
+
+    app.router.add_get("/metrics", metrics)
+
+
 def add_model_routes(app: web.Application, model: str) -> None:
     async def health(_: web.Request) -> web.StreamResponse:
         return web.Response(status=200)

@@ -208,6 +208,9 @@ class Completion:
     include_usage: bool
     request_id: str
     created: int
+    # Prompt tokens served from the prefix cache; None where the engine has none (vLLM
+    # answers prompt_tokens_details only with --enable-prompt-tokens-details).
+    cached_tokens: int | None = None
 
     @classmethod
     def for_request(
@@ -219,6 +222,8 @@ class Completion:
         limit: int | None,
         model: str,
         request_id: str | None = None,
+        *,
+        cached_tokens: int | None = None,
     ) -> Completion:
         requested = body.get("model")
         return cls(
@@ -230,6 +235,7 @@ class Completion:
             include_usage=include_usage(body),
             request_id=request_id or uuid.uuid4().hex,
             created=int(time.time()),
+            cached_tokens=cached_tokens,
         )
 
     @property
@@ -238,17 +244,21 @@ class Completion:
 
     def usage(self) -> JsonObject:
         total = self.prompt_tokens + self.n_tokens
+        details = None if self.cached_tokens is None else {"cached_tokens": self.cached_tokens}
         if self.api is Api.RESPONSES:
-            return {
+            usage: JsonObject = {
                 "input_tokens": self.prompt_tokens,
                 "output_tokens": self.n_tokens,
                 "total_tokens": total,
             }
+            if details is not None:
+                usage["input_tokens_details"] = details
+            return usage
         return {
             "prompt_tokens": self.prompt_tokens,
             "total_tokens": total,
             "completion_tokens": self.n_tokens,
-            "prompt_tokens_details": None,
+            "prompt_tokens_details": details,
             "completion_tokens_details": None,
         }
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdproc_sim import httpd
+from pdproc_sim import engine_metrics, httpd
 from pdproc_sim.connectors import (
     MOONCAKE,
     NIXLV2,
@@ -38,6 +38,7 @@ from pdproc_sim.openai_shapes import (
     prompt_tokens,
     wants_stream,
 )
+from pdproc_sim.prefix_cache import EngineCaches, Lookup, rendered_prompt
 from pdproc_sim.state import (
     JsonObject,
     RoleState,
@@ -75,6 +76,12 @@ class PrefillConfig:
     kv_connector: str = MOONCAKE
     # SGLang: how long a prefill waits for its decode to bootstrap (then 500).
     sglang_bootstrap_timeout_s: float = SGLANG_BOOTSTRAP_TIMEOUT_S
+    # The prefix cache per DP rank, in 16-token blocks (0: none, every prompt computed).
+    prefix_cache_blocks: int = 0
+    # Compute time per prompt token not found in the cache.
+    prefill_ms_per_token: float = 0.0
+    # Prefills a DP rank computes at once; the rest wait in FIFO order (0: no limit).
+    rank_concurrency: int = 0
 
     def __post_init__(self) -> None:
         check_connector(self.kv_connector)
@@ -187,6 +194,12 @@ class PrefillState(RoleState):
         self.hang_gate = asyncio.Event()
         self.hang_gate.set()
         self._round_robin = itertools.count()
+        self.cache = EngineCaches(config.dp_ranks, config.prefix_cache_blocks)
+        # FIFO per rank: asyncio's semaphore wakes its waiters in order.
+        self.rank_slots = [
+            asyncio.Semaphore(config.rank_concurrency) if config.rank_concurrency else None
+            for _ in range(config.dp_ranks)
+        ]
         self._zero_counters()
 
     def _zero_counters(self) -> None:
@@ -220,9 +233,16 @@ class PrefillState(RoleState):
             return 500
         return None
 
-    def compute_delay_s(self, body_bytes: int) -> float:
+    def compute_delay_s(self, body_bytes: int, found: Lookup | None = None) -> float:
+        """The prefill's compute time: only the share of the prompt not cached costs."""
         config = self.config
-        return (config.prefill_delay_ms + config.prefill_ms_per_kib * body_bytes / 1024) / 1000
+        share = 1.0
+        per_token = 0.0
+        if found is not None:
+            share = found.uncached_tokens / max(1, found.prompt_tokens)
+            per_token = config.prefill_ms_per_token * found.uncached_tokens
+        per_kib = config.prefill_ms_per_kib * body_bytes / 1024 * share
+        return (config.prefill_delay_ms + per_kib + per_token) / 1000
 
     def finish_transfer(self, key: str, result: TransferResult) -> None:
         """Publish a finished prefill to decodes (unless a kv_drop fault loses it)."""
@@ -258,6 +278,7 @@ class PrefillState(RoleState):
         self.engine_ids = make_engine_ids(
             self.config.engine_id_prefix, self.generation, self.config.dp_ranks
         )
+        self.cache.clear()
         if self.connector == MOONCAKE:
             self.registry.orphan_all()
         else:
@@ -297,6 +318,10 @@ class PrefillState(RoleState):
             restarts=self.restarts,
             generation=self.generation,
             engine_ids={str(r): e for r, e in enumerate(self.engine_ids)},
+            prompt_tokens_by_source={
+                f"{rank}/{source}": n
+                for (rank, source), n in sorted(self.cache.tokens_by_source.items())
+            },
             faults=self.faults_json(),
         )
         return stats
@@ -304,6 +329,7 @@ class PrefillState(RoleState):
     def reset(self) -> None:
         super().reset()
         self._zero_counters()
+        self.cache.reset_counts()
 
     def faults_json(self) -> JsonObject:
         return dataclasses.asdict(self.faults)
@@ -316,7 +342,7 @@ class PrefillState(RoleState):
             self.hang_gate.set()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Job:
     """A validated prefill request; `ticket` is None for a plain (non-P/D) one."""
 
@@ -327,6 +353,11 @@ class _Job:
     ticket: PrefillTicket | None
     limit: int | None
     digest: str
+    # Prompt tokens found in the prefix cache (None: the pod has no prefix cache).
+    cached_tokens: int | None = None
+    # With a prefix cache: the prompt's tokens as the cache counted them (chat template
+    # included).
+    prompt_tokens: int | None = None
 
 
 async def _serve_completion(
@@ -400,7 +431,7 @@ async def _compute(state: PrefillState, job: _Job, generation: int) -> str | Non
     ticket = job.ticket
     try:
         await state.hang_gate.wait()
-        await httpd.pause(state.compute_delay_s(job.body_bytes))
+        await _compute_prompt(state, job)
         if ticket is not None and ticket.room is not None:
             return await _await_sglang_decode(state, ticket, job)
     except asyncio.CancelledError:
@@ -409,6 +440,34 @@ async def _compute(state: PrefillState, job: _Job, generation: int) -> str | Non
             state.finish_transfer(ticket.key, _result(state, job, shipped=False))
         raise
     return None
+
+
+async def _compute_prompt(state: PrefillState, job: _Job) -> None:
+    """Wait for the rank (FIFO), then compute what the prefix cache does not hold."""
+    slot = state.rank_slots[job.rank]
+    caches = state.cache
+    caches.waiting[job.rank] += 1
+    try:
+        if slot is not None:
+            await slot.acquire()
+    finally:
+        caches.waiting[job.rank] -= 1
+    caches.running[job.rank] += 1
+    try:
+        if not caches.enabled:
+            await httpd.pause(state.compute_delay_s(job.body_bytes))
+            return
+        text = rendered_prompt(job.api, job.body)
+        found = caches.lookup(job.rank, text)
+        await httpd.pause(state.compute_delay_s(job.body_bytes, found))
+        caches.count(job.rank, found)
+        caches.store(job.rank, found.hashes)
+        job.cached_tokens = found.cached_tokens
+        job.prompt_tokens = found.prompt_tokens
+    finally:
+        caches.running[job.rank] -= 1
+        if slot is not None:
+            slot.release()
 
 
 async def _hand_over_kv(
@@ -493,7 +552,7 @@ def _finish_nixl(state: PrefillState, job: _Job, shipped: bool) -> JsonObject | 
         "remote_num_tokens": prompt_tokens_of(job),
         "remote_blocks_expiry_time": None,
         "transfer_mode": "pull",
-        "remote_prefill_cached_tokens": 0,
+        "remote_prefill_cached_tokens": job.cached_tokens or 0,
     }
 
 
@@ -506,6 +565,8 @@ _ID_PREFIX = {
 
 
 def prompt_tokens_of(job: _Job) -> int:
+    if job.prompt_tokens is not None:
+        return job.prompt_tokens
     return prompt_tokens(job.api, job.body, job.body_bytes)
 
 
@@ -528,7 +589,10 @@ async def _answer(
         job.limit,
         state.config.model,
         job.ticket.request_id if job.ticket is not None else None,
+        cached_tokens=job.cached_tokens,
     )
+    if job.prompt_tokens is not None:
+        completion = dataclasses.replace(completion, prompt_tokens=job.prompt_tokens)
     exchange.outcome = outcome
     if wants_stream(job.body):
         response = await httpd.open_sse(request, exchange)
@@ -548,6 +612,7 @@ def build_prefill_app(state: PrefillState) -> web.Application:
         return httpd.json_response({"engine_ids": engine_ids, "generation": state.generation})
 
     app.router.add_post("/sim/restart", restart)
+    httpd.add_metrics_route(app, partial(engine_metrics.render, state.cache, state.config.model))
     httpd.add_model_routes(app, state.config.model)
     httpd.add_introspection_routes(app, state)
     return app

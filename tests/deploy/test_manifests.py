@@ -249,7 +249,7 @@ MUTATIONS = [
         "maxParallelRequests: 1024",
         "extProc[0] (vllm-pd-epp) backendSettings.circuitBreaker.maxParallelRequests is 1024",
     ),
-    # --- issue #10: paths, the kv guard, NetworkPolicy
+    # --- paths, the kv guard, NetworkPolicy: the edge's security
     Mutation(
         "eg-escaped-slashes-kept",
         "deploy/envoy-gateway/gateway.yaml",
@@ -358,7 +358,7 @@ MUTATIONS = [
         "envoyproxy/envoy:v1.30-latest",
         "envoyproxy/envoy:v1.40",
     ),
-    # The bug of issue 20: the simulator built pdproc's default stage under pdproc's image.
+    # The simulator once built pdproc's default stage under pdproc's image.
     Mutation(
         "compose-sim-default-stage",
         "docker-compose.yaml",

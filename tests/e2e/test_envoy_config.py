@@ -130,7 +130,7 @@ def test_processing_modes_are_the_ones_the_design_needs(capsys: pytest.CaptureFi
         "request_body_mode": "BUFFERED",
         "response_header_mode": "SEND",
         "response_body_mode": "NONE",
-        "request_trailer_mode": "SKIP",
+        "request_trailer_mode": "SEND",
         "response_trailer_mode": "SKIP",
     }
     assert ext_proc["allow_mode_override"] is True

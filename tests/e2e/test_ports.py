@@ -1,4 +1,4 @@
-"""Issue 19, item 13: `pdproc serve` refuses a gRPC or metrics port another process holds.
+"""`pdproc serve` refuses a gRPC or metrics port another process holds.
 
 Before, pdproc bound its ports with SO_REUSEPORT whatever --workers said, so a second
 instance silently joined the first one's ports and the kernel spread Envoy's streams and

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -110,3 +112,63 @@ def test_workers_share_one_port_and_one_metrics_page(tmp_path: Path) -> None:
         ]
         assert len(started) == 2  # both workers are up on the same port
         assert st.pdproc.stop() == 0
+
+
+class _Tarpit:
+    """A listener that accepts and never answers (a bootstrap server that hangs)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._listener = socket.create_server((host, port))
+        self._held: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self._held.append(conn)
+
+    def close(self) -> None:
+        self._listener.close()
+        for conn in self._held:
+            conn.close()
+        self._thread.join(timeout=5)
+
+
+def test_a_pool_member_whose_bootstrap_hangs_costs_no_request(tmp_path: Path) -> None:
+    """Through the real Envoy: of two pool members, the second's bootstrap server accepts and
+    never answers. Every request is served by P/D on the first: a request placed on the
+    second moves once its query times out, nothing having been sent to it."""
+    with running_stack(["--dp-ranks", "2"], workdir=tmp_path) as st:
+        boot = st.sim.bootstrap.port
+        hung = _Tarpit("127.0.0.2", boot)
+        try:
+            second = f"127.0.0.2:{st.sim.prefill.port}"
+            proc, addr, metrics = start_pdproc(
+                tmp_path,
+                # The hung member first: a picker that prefers the first of equals hits it.
+                ["--prefill", second, "--prefill", str(st.sim.prefill), "--bootstrap-timeout", "1",
+                 "--mooncake-bootstrap-port", str(boot),
+                 # turns reach the hanging member whatever the prompt (the prefix policy
+                 # would keep this one repeated prompt on its home)
+                 "--pool-policy", "least-loaded"],
+                name="pdproc-pool",
+            )  # fmt: skip
+            st.extra.append(proc)
+            envoy = start_envoy(tmp_path, [st.sim.decode], [addr])
+            st.extra.append(envoy.process)
+            with httpx.Client(timeout=30) as client:
+                for _ in range(12):
+                    response = client.post(envoy.url + "/v1/chat/completions", json=CHAT)
+                    assert response.status_code == 200, response.text
+            decodes = st.sim_get("decode", "/sim/requests")["requests"]
+            assert len(decodes) == 12
+            for decode in decodes:
+                kv = decode["body"]["kv_transfer_params"]
+                assert kv["remote_bootstrap_addr"] == f"http://127.0.0.1:{boot}"
+            assert scrape_metric(metrics, "pdproc_bootstrap_reroutes_total") >= 1
+        finally:
+            hung.close()

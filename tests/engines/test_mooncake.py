@@ -145,6 +145,55 @@ def test_client_kv_transfer_params_refused(
     )
 
 
+def test_client_kv_params_in_vllm_xargs(
+    pair: tuple[Engine, Engine], fronts: dict[str, Front]
+) -> None:
+    """vLLM reads kv_transfer_params from SamplingParams.extra_args, which it builds from a
+    client's vllm_xargs. Sent straight to the real decode once (a dict naming a transfer no
+    prefill will send, and a list), what the engine does is recorded; through Envoy + pdproc
+    both are refused in pool P/D and decode-only (an empty prefill header), and nothing
+    reaches either engine."""
+    prefill, decode = pair
+    (engine_id,) = engine_ids(prefill)
+    steer = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": "xfer-from-vllm-xargs",
+        "remote_engine_id": engine_id,
+        "remote_bootstrap_addr": f"http://127.0.0.1:{prefill.side_port}",
+    }
+    for kind, value in (("dict", steer), ("list", [1, 2])):
+        body = openai_body("/v1/completions", prompt(f"xargs-{kind}"), stream=False)
+        body["vllm_xargs"] = {"kv_transfer_params": value}
+        try:
+            answer = send(decode.url, "/v1/completions", body, timeout_s=HANG_PROBE_S)
+            seen = f"{answer.status} {str(answer.body)[:160]}"
+        except TimeoutError:
+            seen = f"no answer in {HANG_PROBE_S:.0f} s (waiting for KV: steered)"
+        health, _ = http_json("GET", decode.url + "/health", timeout_s=10)
+        measured(
+            f"vllm_xargs.kv_transfer_params ({kind}) straight to the decode: {seen}; "
+            f"/health after: {health}"
+        )
+    eventually(lambda: decode_busy(decode) == 0, 120, every_s=0.5, what="the decode is idle")
+
+    served = decode.metric("vllm:request_success_total") + prefill.metric(
+        "vllm:request_success_total"
+    )
+    front = fronts["default-workers"]
+    for headers in ({}, {"x-prefiller-host-port": ""}):
+        for value in (steer, [1, 2]):
+            body = openai_body("/v1/chat/completions", prompt("xargs-front"), stream=False)
+            body["vllm_xargs"] = {"kv_transfer_params": value}
+            answer = send(front.url, "/v1/chat/completions", body, headers=headers)
+            assert answer.status == 400, answer.body
+            assert "vllm_xargs.kv_transfer_params" in answer.body["message"]
+    assert (
+        decode.metric("vllm:request_success_total") + prefill.metric("vllm:request_success_total")
+        == served
+    )
+
+
 def test_decode_waits_silently_for_an_unknown_transfer(pair: tuple[Engine, Engine]) -> None:
     """What pdproc's fast errors exist for: the real decode, told of a transfer no prefill
     will send (the test plays a router that lost its prefill), answers nothing for
@@ -222,7 +271,7 @@ def test_prefill_restart_with_new_engine_id_loses_no_request(
     to the decode's silent wait. Then both fronts serve P/D again.
 
     pdproc pairs no request with an engine map older than --engine-cache-ttl (15 s, below any
-    real restart; issue 19 item 11). The code before that change kept maps 60 s and passed
+    real restart). The code before that change kept maps 60 s and passed
     this test too on this machine, whose engines take minutes to restart (longer than 60 s);
     the next test shows on the real pair what a map older than the restart costs."""
     prefill, _ = pair

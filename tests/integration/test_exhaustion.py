@@ -1,4 +1,4 @@
-"""Issue 19, item 6: pdproc's own resource exhaustion is never held against a pod.
+"""Pdproc's own resource exhaustion is never held against a pod.
 
 A prefill connect that failed because pdproc was out of file descriptors ("Too many open
 files") used to count as the pod's `connect_error` and open healthy pods' breakers. Here a

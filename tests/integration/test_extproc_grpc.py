@@ -247,10 +247,13 @@ async def test_body_over_limit_gets_413(make_harness: Callable[..., Any]) -> Non
     assert orjson.loads(answer.immediate_response.body)["code"] == 413
 
 
-async def test_partial_body_gets_413(h: Harness) -> None:
+async def test_a_buffered_body_followed_by_trailers_gets_400(h: Harness) -> None:
+    """BUFFERED sends a body without end_of_stream only when trailers follow it."""
     call = await h.past_headers()
     await call.write(body_msg(b'{"model":', end_of_stream=False))
-    assert (await recv(call)).immediate_response.status.code == 413
+    answer = (await recv(call)).immediate_response
+    assert answer.status.code == 400
+    assert b"trailers are not supported" in answer.body
 
 
 async def test_a_stream_cancelled_before_the_decode_answered_cancels_its_prefill(
@@ -263,10 +266,10 @@ async def test_a_stream_cancelled_before_the_decode_answered_cancels_its_prefill
     await call.write(body_msg(CHAT))
     await recv(call)
     assert h.server.service is not None
-    await eventually_async(lambda: h.server.service.launcher.total_in_flight == 1)
+    await eventually_async(lambda: h.sample("pdproc_prefills_in_flight") == 1)
     call.cancel()  # the client hung up; Envoy resets the stream
     await eventually_async(lambda: h.sample("pdproc_streams_active") == 0)
-    await eventually_async(lambda: h.server.service.launcher.total_in_flight == 0)
+    await eventually_async(lambda: h.sample("pdproc_prefills_in_flight") == 0)
     assert h.sample("pdproc_prefills_total", outcome="cancelled") == 1
     assert h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="cancelled") == 1
     assert h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="pd") == 0
@@ -288,7 +291,7 @@ async def test_a_stream_ended_after_the_decode_answered_leaves_the_prefill_runni
     call.cancel()
     await eventually_async(lambda: h.sample("pdproc_streams_active") == 0)
     assert h.server.service is not None
-    assert h.server.service.launcher.total_in_flight == 1
+    assert h.sample("pdproc_prefills_in_flight") == 1
     await h.faults(prefill_hang=False)
     await eventually_async(lambda: h.sample("pdproc_prefills_total", outcome="2xx") == 1)
     assert h.sample("pdproc_requests_total", path="/v1/chat/completions", outcome="pd") == 1

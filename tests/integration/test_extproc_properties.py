@@ -26,6 +26,7 @@ from pdproc.server import Server
 from pdproc.targets import AllowList, HostPort
 from tests.envoy_side import channel
 from tests.hypothesis_budget import examples
+from tests.metric_samples import sample_sum
 
 REQUEST_TO_RESPONSE = {
     "request_headers": "request_headers",
@@ -254,7 +255,7 @@ def test_nothing_leaks_afterwards(background: Background) -> None:
     _wait_drained(background, 20)
     assert metrics.get_sample_value("pdproc_streams_active") == 0
     assert background.server.service is not None
-    assert background.server.service.launcher.total_in_flight == 0
+    assert sample_sum(metrics, "pdproc_prefills_in_flight") == 0
     # The sequences did reach every part: P/D pairs, rejections and passthroughs.
     outcomes = _counted_outcomes(metrics)
     assert {"pd", "passthrough", "forbidden"} <= outcomes, outcomes
@@ -270,7 +271,7 @@ def _wait_drained(background: Background, timeout_s: float) -> None:
     while time.monotonic() < deadline:
         streams = metrics.get_sample_value("pdproc_streams_active")
         assert background.server.service is not None
-        prefills = background.server.service.launcher.total_in_flight
+        prefills = sample_sum(metrics, "pdproc_prefills_in_flight")
         if streams == 0 and prefills == 0:
             break
         time.sleep(0.05)

@@ -1,4 +1,4 @@
-"""Issue 19, item 12: a stream that ends at any phase is counted exactly once.
+"""A stream that ends at any phase is counted exactly once.
 
 Envoy ends an ext_proc stream early when the client hangs up (a reset) or when it has no
 more to send (a half-close). Each kind of request (P/D buffered, P/D streamed, decode-only)
@@ -99,7 +99,7 @@ async def test_a_stream_ended_at_any_phase_is_counted_exactly_once(
         await eventually_async(lambda: h.sample("pdproc_streams_active") == 0)
     finally:
         await h.faults(prefill_hang=False)
-    await eventually_async(lambda: service.launcher.total_in_flight == 0)
+    await eventually_async(lambda: h.sample("pdproc_prefills_in_flight") == 0)
     expected = CASES[(kind, end_at)]
     assert all_outcomes(h) == {expected: 1}
     assert expected in REQUEST_OUTCOMES

@@ -553,8 +553,8 @@ async def test_single_message_mode_never_streams(h: Harness) -> None:
 
 
 async def test_single_message_mode_partial_chunk_is_not_streamed(h: Harness) -> None:
-    """A single-message request's first chunk without end_of_stream is the old 413, even
-    with a large content-length attribute."""
+    """A single-message request's first chunk without end_of_stream (BUFFERED: trailers
+    follow it) is refused with a 400, even with a large content-length attribute."""
     _, raw = large_chat()
     request = body_msg(raw[: 100 * KiB], end_of_stream=False)
     request.attributes["envoy.filters.http.ext_proc"].update(
@@ -567,7 +567,7 @@ async def test_single_message_mode_partial_chunk_is_not_streamed(h: Harness) -> 
     request.metadata_context.filter_metadata["pdproc"].update({"prefiller": h.prefill.address})
     call = h.open()
     await call.write(request)
-    assert rejection(await recv(call))[0] == 413
+    assert rejection(await recv(call))[0] == 400
     assert h.sample(STREAMED) == 0
     assert h.sample(IN_FLIGHT) == 0
 

@@ -1,4 +1,4 @@
-"""Fixtures of the security suite (issue #10): hostile prefill pods, a real pdproc in
+"""Fixtures of the security suite: hostile prefill pods, a real pdproc in
 process driven over gRPC the way Envoy drives it, and the real Envoy stack for the attacks a
 client makes.
 
@@ -55,7 +55,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def deep_body(depth: int = 300) -> bytes:
-    """Issue #10's reproduction: valid JSON nested deeper than orjson can re-serialise."""
+    """The reproduction of a deep body: valid JSON nested deeper than orjson can re-serialise."""
     return b'{"model":"m","x":' + b"[" * depth + b"]" * depth + b"}"
 
 

@@ -1,7 +1,7 @@
-"""Attack 9: a client's own `kv_transfer_params` on a P/D path.
+"""A client's own `kv_transfer_params` on a P/D path.
 
 The params tell a decode pod where to pull KV from (`remote_bootstrap_addr`): a client that
-sets them can aim the decode at any address. At c46c4db pdproc replaced them when it
+sets them can aim the decode at any address. Earlier, pdproc replaced them when it
 disaggregated, but a request without a prefill target (no header, no pool) or one arriving
 while pdproc was draining passed through untouched, params and all. Now every P/D-path body
 pdproc sees is checked: a client's `kv_transfer_params`, however spelled, is a 400, and the

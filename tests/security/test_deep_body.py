@@ -1,6 +1,6 @@
-"""Attack 1: P/D switched off for everyone by a deep body.
+"""P/D switched off for everyone by a deep body.
 
-At c46c4db the body `{"model":"m","x":[[[...300...]]]}` parsed, the decode body was spliced,
+Earlier, the body `{"model":"m","x":[[[...300...]]]}` parsed, the decode body was spliced,
 and the prefill body was only built inside the detached prefill task, where orjson refused
 the nesting: the client got a 502, the failure was held against the prefill pod (its
 breaker opened after five) and its engine ids were dropped, so five requests switched P/D off

@@ -1,4 +1,4 @@
-"""Issue 19, item 10: an `x-prefiller-host-port` that names no pod.
+"""An `x-prefiller-host-port` that names no pod.
 
 The docs said an empty value means "no disaggregation" (llm-d's sidecar: an empty result
 after trimming sends the request to the decode alone); the code treated an empty or ","

@@ -1,8 +1,8 @@
-"""Attack 2, through the real stack: a small fuzz (tens of examples per Envoy mode) of bodies
-and `x-prefiller-host-port` values sent by a client to Envoy, with pdproc and the simulated
-vLLM pair behind it. Whatever a client sends: never a 5xx, Envoy's ext_proc stream never
-fails, a refused body reaches neither pod, and a carried one reaches both legs exactly.
-"""
+"""Anything a client can put in a body or header, through the real stack: a small fuzz (tens of
+examples per Envoy mode) of bodies and `x-prefiller-host-port` values sent by a client to Envoy,
+with pdproc and the simulated vLLM pair behind it. Whatever a client sends: never a 5xx, Envoy's
+ext_proc stream never fails, a refused body reaches neither pod, and a carried one reaches both
+legs exactly."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 19, item 6: half-open connections to pdproc's own listeners.
+"""Half-open connections to pdproc's own listeners.
 
 The attack held 1,500 half-sent requests on the metrics port for 30 s and 300 incomplete
 handshakes on the gRPC port for at least 22 s; under a 1,024-descriptor limit, prefill

@@ -1,6 +1,6 @@
-"""Attack 7: bad bytes in `x-prefiller-host-port`.
+"""Bad bytes in `x-prefiller-host-port`.
 
-At c46c4db the port was checked with `str.isdigit()`, which is true for a superscript two
+Earlier, the port was checked with `str.isdigit()`, which is true for a superscript two
 (U+00B2) and other non-ASCII digits, while `int()` refuses them: `10.0.0.1:80` followed by
 a superscript two became a 500 from pdproc's catch-all. Now targets are ASCII only, and
 anything else is a 400.

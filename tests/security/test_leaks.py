@@ -1,6 +1,6 @@
-"""Attack 6: making pdproc repeat what it should not.
+"""Making pdproc repeat what it should not.
 
-At c46c4db a prefill pod's error body (vLLM's errors may quote the prompt) was put into the
+Earlier, a prefill pod's error body (vLLM's errors may quote the prompt) was put into the
 client's 502 and into the log line, and a malformed `x-prefiller-host-port` value was
 echoed whole in the 400 and the log (50 KB of the client's choosing per line). Now pod
 bodies are logged only with `--log-bodies`, and client values are quoted short.

@@ -1,4 +1,4 @@
-"""Issue 19, item 1: clients that announce a large body and do not send it.
+"""Clients that announce a large body and do not send it.
 
 On the streamed-body path (--stream-body-bytes) the byte budget used to reserve a body's
 announced content-length at its headers: a handful of connections announcing 16 MiB, each

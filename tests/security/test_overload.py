@@ -1,8 +1,8 @@
-"""Attack 10: a burst of large bodies.
+"""A burst of large bodies.
 
 Envoy buffers each body (up to 16 MiB) and hands it to pdproc in one gRPC message; pdproc
-then holds it (parsed, plus two rewritten copies) while it waits for the engine map. At
-c46c4db nothing bounded the sum: concurrent large prompts grew pdproc's memory without
+then holds it (parsed, plus two rewritten copies) while it waits for the engine map.
+Earlier, nothing bounded the sum: concurrent large prompts grew pdproc's memory without
 limit. Now `--max-inflight-bytes` bounds the body bytes held across all streams: past it,
 new P/D requests get 503 `overloaded` (the decode receives nothing), and the budget returns
 to 0 when the burst is over.

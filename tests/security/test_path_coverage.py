@@ -1,4 +1,4 @@
-"""Issue 19, item 4 and its rule: every route of the generated Envoy config either goes
+"""Every route of the generated Envoy config either goes
 through pdproc and the kv guard, or cannot reach a pod with KV transfer fields.
 
 vLLM 0.32 reads `kv_transfer_params` on far more routes than the P/D ones (`/invocations`,
@@ -25,7 +25,7 @@ import pytest
 import yaml
 from pdproc_sim.devstack import Stack, running_stack
 
-from pdproc.gateway_fields import GATEWAY_FIELDS, GATEWAY_HEADERS
+from pdproc.gateway_fields import GATEWAY_FIELDS, GATEWAY_HEADERS, NESTED_CARRIERS
 from tests.stacks import Canary
 
 from .conftest import CHAT, SIM_ARGS
@@ -130,6 +130,7 @@ def attack_bodies(canary: Canary) -> dict[str, bytes]:
             "remote_block_ids": [1],
             "transfer_id": "t",
         },
+        "ec_transfer_params": {"remote_host": "127.0.0.1", "remote_port": canary.port},
         "bootstrap_host": "127.0.0.1",
         "bootstrap_port": canary.port,
         "bootstrap_room": 7,
@@ -137,9 +138,16 @@ def attack_bodies(canary: Canary) -> dict[str, bytes]:
         "disagg_prefill_dp_rank": 0,
     }
     assert set(values) == set(GATEWAY_FIELDS)
+    # Where vLLM also reads them: the OpenAI routes' vllm_xargs, the token-in route's
+    # sampling_params.extra_args.
+    nested = {"kv_transfer_params": values["kv_transfer_params"]}
     sglang = {k: values[k] for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")}
     bodies = {name: orjson.dumps({**CHAT, name: value}) for name, value in values.items()}
     bodies["sglang-all-three"] = orjson.dumps({**CHAT, **sglang})
+    bodies["vllm_xargs"] = orjson.dumps({**CHAT, "vllm_xargs": nested})
+    bodies["sampling_params.extra_args"] = orjson.dumps(
+        {**CHAT, "sampling_params": {"max_tokens": 4, "extra_args": nested}}
+    )
     return bodies
 
 
@@ -178,6 +186,12 @@ def carried(stack: Stack) -> list[dict[str, Any]]:
         for record in stack.sim_get(role, "/sim/requests")["requests"]:
             body = record.get("body")
             fields = set(body) & set(GATEWAY_FIELDS) if isinstance(body, dict) else set()
+            for carrier in NESTED_CARRIERS:
+                inner: Any = body
+                for name in carrier:
+                    inner = inner.get(name) if isinstance(inner, dict) else None
+                if isinstance(inner, dict):
+                    fields |= set(inner) & set(GATEWAY_FIELDS)
             headers = {h.lower() for h in record.get("headers", {})} & set(GATEWAY_HEADERS)
             if fields or headers:
                 found.append(record)

@@ -1,8 +1,8 @@
-"""Attack 8: numbers that one leg carries and the other does not.
+"""Numbers that one leg carries and the other does not.
 
 The decode body is the client's bytes with the gateway's params spliced in, so its numbers
 keep their exact spelling; the prefill body is re-serialised by orjson, which holds 64-bit
-integers and turns larger ones into floats. At c46c4db `"seed": 18446744073709551616`
+integers and turns larger ones into floats. Earlier, `"seed": 18446744073709551616`
 (2**64) reached the decode as that integer and the prefill as `1.8446744073709552e19`: the
 two legs of one request sampled differently. Now integers outside [-2**63, 2**64 - 1] are a
 400, and those inside reach both legs exactly.

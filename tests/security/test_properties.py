@@ -1,7 +1,7 @@
-"""Attack 2: anything a client can put in a body or in `x-prefiller-host-port`.
+"""Anything a client can put in a body or in `x-prefiller-host-port`.
 
 Property tests against a real pdproc in process, over gRPC, with a well-behaved hostile pod
-as the prefill (so any 5xx or breaker movement is pdproc's own doing). At c46c4db a deep body
+as the prefill (so any 5xx or breaker movement is pdproc's own doing). Earlier, a deep body
 gave a 502 and counted against the pod, a deep body with `kv_transfer_params` a 500, a
 non-ASCII digit in the header a 500, and a long header value came back whole in the 400.
 

@@ -1,6 +1,6 @@
-"""Attack 3: a pod inside the allow list redirects pdproc to an address outside it.
+"""A pod inside the allow list redirects pdproc to an address outside it.
 
-At c46c4db aiohttp followed redirects: a bootstrap server answering `302 Location:
+Earlier, aiohttp followed redirects: a bootstrap server answering `302 Location:
 http://<another pod>/query` handed the decode another pod's engine id, and a prefill pod
 answering `307` had the (client's) prefill body re-posted to any address it named, past
 the allow list (SSRF). Now redirects are never followed: the other address is never

@@ -1,4 +1,4 @@
-"""Issue 19, item 8: the client's `x-request-id`.
+"""The client's `x-request-id`.
 
 Envoy keeps a client's `x-request-id` unless configured otherwise. Before, pdproc logged it
 raw and whole (a 50 KB log line), in `--log-format text` it could forge fields

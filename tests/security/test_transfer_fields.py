@@ -1,4 +1,4 @@
-"""Issue 19, item 2: a client's own KV transfer fields, for every connector, on every path.
+"""A client's own KV transfer fields, for every connector, on every path.
 
 The fields tell a decode where to pull KV from: vLLM's `kv_transfer_params` and SGLang's
 `bootstrap_host` / `bootstrap_port` / `bootstrap_room` (plus its pairing key and the prefill
@@ -34,6 +34,7 @@ HOSTILE_VALUES: dict[str, Any] = {
         "remote_engine_id": "x",
         "transfer_id": "t",
     },
+    "ec_transfer_params": {"do_remote_prefill": True, "remote_host": "169.254.169.254"},
     "bootstrap_host": "169.254.169.254",
     "bootstrap_port": 80,
     "bootstrap_room": 12345,

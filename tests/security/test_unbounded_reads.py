@@ -1,6 +1,6 @@
-"""Attack 4: a pod that never stops talking.
+"""A pod that never stops talking.
 
-At c46c4db pdproc read whole answers into memory (`await response.read()`): a prefill that
+Earlier, pdproc read whole answers into memory (`await response.read()`): a prefill that
 answered 200 and then streamed forever held the decode until the prefill timeout (504) and
 grew pdproc's memory; a 100 MB `/query` answer was read whole; a million ranks were parsed,
 cached and scanned on every request. Now the outcome is the status line, at most a bounded

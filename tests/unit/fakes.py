@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import grpc
+import msgspec
 import orjson
 from opentelemetry.sdk.trace import Span as SdkSpan
 from opentelemetry.sdk.trace import TracerProvider
@@ -20,12 +21,13 @@ from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.budget import ByteBudget
 from pdproc.config import Settings
-from pdproc.connectors import EngineMap, Legs
+from pdproc.connectors import ClientRequest, Concurrent, EngineMap, Legs
 from pdproc.engine_maps import BootstrapError
 from pdproc.extproc_wire import Body, read_request, write_response
 from pdproc.ledger import Ledger
 from pdproc.metrics import Metrics
 from pdproc.outcomes import Outcome, PrefillResult
+from pdproc.pod_load import PodLoad
 from pdproc.pod_verdict import Verdict
 from pdproc.prefill import PrefillJob, PrefillOutcome
 from pdproc.processors import Deps, RequestContext
@@ -57,13 +59,18 @@ class FakeEngines:
     def __init__(self, engines: EngineMap | None = None) -> None:
         self.engines = engines or {0: "engine-0"}
         self.error: BootstrapError | None = None
+        self.errors: dict[HostPort, BootstrapError] = {}  # by target, before `error`
         self.prefetched: list[HostPort] = []
+        self.asked: list[HostPort] = []
         self.invalidated: list[HostPort] = []
 
     def prefetch(self, target: HostPort, span: Span | None = None) -> None:
         self.prefetched.append(target)
 
     async def get(self, target: HostPort, span: Span | None = None) -> EngineMap:
+        self.asked.append(target)
+        if target in self.errors:
+            raise self.errors[target]
         if self.error is not None:
             raise self.error
         return self.engines
@@ -87,6 +94,9 @@ class FakeLauncher:
         self.jobs: list[PrefillJob] = []
         # False: each job's prefill body stays unsent until the test resolves `body_sent`.
         self.sends_at_once = True
+
+    def in_flight(self, target: HostPort) -> int:
+        return sum(1 for job in self.jobs if job.target == target and not job.outcome.done())
 
     def in_flight_by_rank(self, target: HostPort) -> Mapping[int, int]:
         return {}
@@ -163,6 +173,7 @@ class World:
         self.admitted: set[HostPort] = set()
         self.counted = Counted()
         self.aborts: list[pb.ProcessingResponse] = []
+        self.pool: list[HostPort] = []  # what `reroute` offers, in order
         self.deps = Deps(
             settings=self.settings,
             metrics=self.metrics,
@@ -171,6 +182,8 @@ class World:
             launcher=self.launcher,
             pod_failed=lambda target, outcome: self.pod_failures.append((target, outcome)),
             admits=self.admitted.__contains__,
+            load=PodLoad(self.launcher.in_flight),
+            reroute=lambda tried: next((m for m in self.pool if m not in tried), None),
         )
 
     def context(
@@ -260,3 +273,22 @@ class FakeCall:
                 self.wrote.clear()
                 await self.wrote.wait()
         return self.written[seen]
+
+
+def both_legs(
+    connector: Concurrent,
+    request: ClientRequest,
+    target: HostPort,
+    engines: EngineMap | None,
+    busy_ranks: Mapping[int, int],
+) -> Legs:
+    """Both legs of a concurrent connector's request, built as the processor builds them
+    for a body it holds whole: the plan, the decode leg, then the prefill leg."""
+    plan = connector.plan(target, engines, busy_ranks)
+    return connector.prefill_leg(request, plan, connector.decode_leg(request, plan))
+
+
+def value_of(members: Mapping[str, Any], key: str) -> Any:
+    """A parsed body member's value as Python data (the parser keeps members as raw JSON)."""
+    value = members[key]
+    return msgspec.json.decode(value) if isinstance(value, msgspec.Raw) else value

@@ -86,10 +86,9 @@ def test_an_open_breaker_nobody_asks_about_is_forgotten() -> None:
     breakers.record(POD, Verdict.DOWN)
     clock.now += 1.0 + 10.0  # the 1 s cooldown, then max_cooldown_s
     breakers.forget_unasked()
-    assert breakers.is_open(POD)  # not yet: strictly longer
+    assert changes == [True]  # not closed yet: strictly longer
     clock.now += 0.1
     breakers.forget_unasked()
-    assert not breakers.is_open(POD)
     assert changes == [True, False]
     assert len(breakers) == 0
 
@@ -104,3 +103,30 @@ def test_an_open_breaker_with_requests_is_kept() -> None:
             breakers.record(POD, Verdict.DOWN)
         breakers.forget_unasked()
         assert breakers.is_open(POD)
+
+
+def test_a_probed_target_lets_no_client_through_and_is_due_for_its_probe() -> None:
+    clock = Clock()
+    breakers = CircuitBreakers(1, 30.0, clock=clock, probed=lambda target: target == POD)
+    breakers.record(POD, Verdict.DOWN)
+    assert breakers.due() == []  # still cooling down
+    clock.now += 1.5
+    assert not breakers.allow(POD)  # no client request is the probe
+    assert breakers.due() == [POD]
+    assert breakers.due() == []  # being probed: not due again before another cooldown
+    breakers.record(POD, Verdict.DOWN)  # the probe failed: doubled cooldown
+    clock.now += 1.5
+    assert breakers.due() == []
+    clock.now += 1.0
+    assert breakers.due() == [POD]
+    breakers.record(POD, Verdict.HEALTHY)  # the probe found it back
+    assert breakers.allow(POD)
+
+
+def test_a_probed_target_is_never_forgotten_unasked() -> None:
+    clock = Clock()
+    breakers = CircuitBreakers(1, 2.0, clock=clock, probed=lambda target: True)
+    breakers.record(POD, Verdict.DOWN)
+    clock.now += 100
+    breakers.forget_unasked()
+    assert breakers.is_open(POD)

@@ -1,8 +1,8 @@
-"""DNS discovery of prefill pods. The resolver is injected here: no DNS server that could
-serve several records for one name runs in this sandbox (the e2e test resolves a real name)."""
+"""DNS discovery of prefill pods, with the resolver injected (fake answers, a hanging server)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import pytest
@@ -61,8 +61,6 @@ async def test_background_refresh_runs() -> None:
         for _ in range(500):
             if pool.members == (HostPort("10.0.0.9", 8000),):
                 break
-            import asyncio
-
             await asyncio.sleep(0.01)
         assert pool.members == (HostPort("10.0.0.9", 8000),)
     finally:
@@ -71,3 +69,72 @@ async def test_background_refresh_runs() -> None:
 
 async def test_system_resolver_resolves_localhost() -> None:
     assert "127.0.0.1" in await system_resolver("localhost", 80)
+
+
+class Hanging:
+    """A resolver that never answers until released: a dead DNS server."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.release = asyncio.Event()
+        self.answer: list[str] = ["10.0.0.7"]
+
+    async def __call__(self, name: str, port: int) -> Sequence[str]:
+        self.started += 1
+        await self.release.wait()
+        return self.answer
+
+
+async def test_a_hanging_lookup_is_bounded_reused_and_counted() -> None:
+    records = Records()
+    records.answers = [["10.0.0.1"]]
+    outcomes: list[str] = []
+    pool = DnsPool([NAME], 3600, records, timeout_s=0.05, on_lookup=outcomes.append)
+    await pool.refresh()
+    hanging = Hanging()
+    pool._resolver = hanging  # the resolver dies after the first answer
+    await pool.refresh()
+    await pool.refresh()
+    # Each refresh gave up at its timeout, kept the last good set, and the second did not
+    # start a lookup next to the one still hanging.
+    assert pool.members == (HostPort("10.0.0.1", 8000),)
+    assert outcomes == ["ok", "timeout", "timeout"]
+    assert hanging.started == 1
+    hanging.release.set()  # the late answer is taken by the next refresh
+    await asyncio.sleep(0)
+    await pool.refresh()
+    assert pool.members == (HostPort("10.0.0.7", 8000),)
+    assert outcomes[-1] == "ok"
+    await pool.stop()
+
+
+async def test_refreshes_keep_their_period_while_the_resolver_hangs() -> None:
+    hanging = Hanging()
+    outcomes: list[str] = []
+    pool = DnsPool([NAME], 0.05, hanging, on_lookup=outcomes.append)
+    await pool.start()
+    try:
+        for _ in range(500):
+            if len(outcomes) >= 4:
+                break
+            await asyncio.sleep(0.01)
+        # Refreshes went on (each ending in a timeout) with one lookup outstanding.
+        assert outcomes[:4] == ["timeout"] * 4
+        assert hanging.started == 1
+    finally:
+        await pool.stop()
+
+
+async def test_failures_are_counted_by_outcome() -> None:
+    records = Records()
+    records.answers = [OSError("SERVFAIL"), [], ["10.0.0.1"]]
+    outcomes: list[str] = []
+    pool = DnsPool([NAME], 3600, records, on_lookup=outcomes.append)
+    for _ in range(3):
+        await pool.refresh()
+    assert outcomes == ["error", "empty", "ok"]
+
+
+async def test_the_lookup_timeout_is_shorter_than_the_period() -> None:
+    pool = DnsPool([NAME], 1.0, Hanging(), timeout_s=5.0)
+    assert pool._timeout_s < 1.0

@@ -96,14 +96,57 @@ def test_an_error_answer_is_openai_shaped_and_labelled() -> None:
 
 
 @pytest.mark.parametrize(
-    ("content_type", "sent"), [(None, b"application/json"), ("text/plain", b"text/plain")]
+    ("status", "answer", "content_type", "error_type", "said"),
+    [
+        (400, b"<html><script>alert(1)</script></html>", "text/html", "BadRequestError", None),
+        (400, b"too long", "text/plain", "BadRequestError", None),
+        (400, b"too long", None, "BadRequestError", None),
+        (
+            422,
+            b'{"error":{"message":"bad field"}}',
+            "application/json",
+            "UnprocessableEntityError",
+            "bad field",
+        ),
+        (
+            400,
+            b'{"object":"error","message":"too long"}',
+            "application/json; charset=utf-8",
+            "BadRequestError",
+            "too long",
+        ),
+        (
+            429,
+            b'{"message":"<script>x</script>"}',
+            "application/json",
+            "RateLimitError",
+            "<script>x</script>",
+        ),
+        (451, b'{"error":' * 2000, "application/json", "BadRequestError", None),
+        (400, b'["a list"]', "application/json", "BadRequestError", None),
+    ],
 )
-def test_a_pods_own_answer_goes_back_as_it_is(content_type: str | None, sent: bytes) -> None:
-    immediate = msg.passed_through(400, b"too long", content_type).immediate_response
-    assert immediate.status.code == 400
-    assert immediate.body == b"too long"
+def test_a_pods_refusal_is_a_json_error_with_its_status_never_its_body(
+    status: int, answer: bytes, content_type: str | None, error_type: str, said: str | None
+) -> None:
+    immediate = msg.passed_through(status, answer, content_type).immediate_response
+    assert immediate.status.code == status
     headers = {h.header.key: h.header.raw_value for h in immediate.headers.set_headers}
-    assert headers["content-type"] == sent
+    assert headers["content-type"] == b"application/json"
+    error = orjson.loads(immediate.body)
+    assert (error["object"], error["type"], error["code"]) == ("error", error_type, status)
+    assert error["message"].startswith(f"the prefill pod refused the request (status {status})")
+    if said is None:
+        assert answer.decode(errors="replace") not in immediate.body.decode()
+    else:
+        # Quoted as a JSON string: never markup the client's browser would run as served.
+        assert repr(said) in error["message"]
+
+
+def test_a_pods_long_message_is_cut_short() -> None:
+    answer = orjson.dumps({"error": {"message": "x" * 100_000}})
+    body = msg.passed_through(400, answer, "application/json").immediate_response.body
+    assert len(body) < 600
 
 
 def test_hold_asks_for_seconds_and_nanos() -> None:

@@ -13,6 +13,8 @@ from pdproc import request_body as rb
 from pdproc.connectors import ClientRequest, Legs, mooncake
 from pdproc.targets import HostPort
 
+from .fakes import both_legs, value_of
+
 CHAT = {
     "model": "Qwen/Qwen2-0.5B",
     "messages": [{"role": "user", "content": "Hello"}],
@@ -170,7 +172,7 @@ def test_client_kv_params_are_refused(raw: bytes) -> None:
 
 def test_a_prompt_mentioning_kv_params_is_fine() -> None:
     raw = orjson.dumps({**CHAT, "messages": [{"role": "user", "content": '"kv_transfer_params"'}]})
-    assert rb.value_of(rb.parse_body(raw), "model") == CHAT["model"]
+    assert value_of(rb.parse_body(raw), "model") == CHAT["model"]
 
 
 @pytest.mark.parametrize(
@@ -183,7 +185,7 @@ def test_integers_no_leg_can_carry_exactly_are_refused(number: bytes) -> None:
 
 def test_long_digit_runs_in_strings_are_fine() -> None:
     raw = b'{"model": "m", "prompt": "pi is 31415926535897932384626433832795"}'
-    assert rb.value_of(rb.parse_body(raw), "prompt").startswith("pi")
+    assert value_of(rb.parse_body(raw), "prompt").startswith("pi")
 
 
 def test_nesting_past_what_the_prefill_body_can_carry_is_a_body_error() -> None:
@@ -192,7 +194,7 @@ def test_nesting_past_what_the_prefill_body_can_carry_is_a_body_error() -> None:
 
     # The body is level 1: 253 arrays inside it are the most that passes, as before.
     request = ClientRequest("/v1/chat/completions", nested(253), rb.parse_body(nested(253)))
-    legs = mooncake.Mooncake(8998).legs(request, HostPort("10.0.0.1", 8000), {0: "e0"}, {})
+    legs = both_legs(mooncake.Mooncake(8998), request, HostPort("10.0.0.1", 8000), {0: "e0"}, {})
     assert b"[" * 253 + b"]" * 253 in bytes(legs.prefill_body)
     for depth in (254, 300, 5000):
         with pytest.raises(rb.BodyError, match="nested too deeply"):
@@ -202,7 +204,7 @@ def test_nesting_past_what_the_prefill_body_can_carry_is_a_body_error() -> None:
 def test_mooncake_legs() -> None:
     raw = orjson.dumps({**CHAT, "stream": True})
     request = ClientRequest("/v1/chat/completions", raw, rb.parse_body(raw))
-    legs = mooncake.Mooncake(8998).legs(request, HostPort("fd00::1", 8000), {3: "e3"}, {})
+    legs = both_legs(mooncake.Mooncake(8998), request, HostPort("fd00::1", 8000), {3: "e3"}, {})
     assert isinstance(legs, Legs)
     assert legs.rank == 3
     assert legs.prefill_headers == {mooncake.RANK_HEADER: "3"}

@@ -3,11 +3,22 @@ and pool (pdproc.picker)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import pytest
 
-from pdproc.picker import BadRequest, Chosen, Forbidden, NoTarget, Pick, Unavailable, pick_target
+from pdproc.picker import (
+    BadRequest,
+    Chosen,
+    Forbidden,
+    NoTarget,
+    Pick,
+    Rotation,
+    Unavailable,
+    choose_member,
+    pick_target,
+)
 from pdproc.targets import AllowList, HostPort
 
 A = HostPort("10.0.0.1", 8000)
@@ -22,6 +33,7 @@ def pick(
     allow: AllowList = ALLOWED,
     down: frozenset[HostPort] = frozenset(),
     in_flight: Callable[[HostPort], int] = lambda _: 0,
+    tie: Callable[[Sequence[HostPort]], HostPort] = lambda equal: equal[0],
 ) -> Pick:
     return pick_target(
         header,
@@ -29,7 +41,8 @@ def pick(
         allow=allow,
         in_pool=lambda target: target in pool,
         breaker_allows=lambda target: target not in down,
-        in_flight=in_flight,
+        load=in_flight,
+        tie=tie,
     )
 
 
@@ -81,3 +94,40 @@ def test_a_pool_member_is_allowed_without_the_allow_list() -> None:
 
 def test_a_named_target_whose_breaker_is_open_is_unavailable() -> None:
     assert isinstance(pick("10.0.0.1:8000", down=frozenset({A})), Unavailable)
+
+
+def test_ties_are_broken_by_the_tie_rule_among_the_least_loaded_only() -> None:
+    c = HostPort("10.0.0.3", 8000)
+    seen: list[Sequence[HostPort]] = []
+
+    def last(equal: Sequence[HostPort]) -> HostPort:
+        seen.append(list(equal))
+        return equal[-1]
+
+    busy = {A: 1, B: 1, c: 2}
+    assert pick(None, [A, B, c], in_flight=busy.__getitem__, tie=last) == Chosen(B, True)
+    assert seen == [[A, B]]
+
+
+def test_equal_idle_members_share_the_work_by_default() -> None:
+    c = HostPort("10.0.0.3", 8000)
+    chosen = Counter(
+        choose_member([A, B, c], usable=lambda _: True, load=lambda _: 0) for _ in range(600)
+    )
+    assert set(chosen) == {A, B, c}
+    assert min(chosen.values()) >= 150  # each of 3 gets ~200 of 600; 150 is > 6 sigma off
+
+
+def test_excluded_members_are_never_chosen() -> None:
+    assert choose_member([A, B], usable=lambda _: True, load=lambda _: 0, excluded={A}) == B
+    assert choose_member([A], usable=lambda _: True, load=lambda _: 0, excluded={A}) is None
+
+
+def test_a_rotation_gives_equal_members_equal_turns() -> None:
+    c = HostPort("10.0.0.3", 8000)
+    rotation = Rotation(start=0)
+    chosen = Counter(
+        choose_member([A, B, c], usable=lambda _: True, load=lambda _: 0, tie=rotation)
+        for _ in range(60)
+    )
+    assert chosen == {A: 20, B: 20, c: 20}

@@ -31,6 +31,7 @@ from pdproc.processors import (
     checked_body,
     prefill_error,
 )
+from pdproc.targets import HostPort
 
 from .fakes import (
     CHAT,
@@ -149,7 +150,8 @@ async def test_rejected_answers_its_error_at_headers_or_body(world: World) -> No
 @pytest.mark.parametrize(
     ("message", "kind"),
     [
-        (body(end_of_stream=False), ErrorKind.TOO_LARGE),
+        # BUFFERED: a body not marked as the end is followed by trailers, which are refused.
+        (body(end_of_stream=False), ErrorKind.BAD_REQUEST),
         (body(b"{" + b" " * 100 + b"}"), ErrorKind.TOO_LARGE),
         (body(b"[1]"), ErrorKind.BAD_REQUEST),
     ],
@@ -356,6 +358,51 @@ async def test_a_bootstrap_failure_rejects_the_request(
     assert world.counted.only is outcome
     assert world.pod_failures == ([] if breaker is None else [(POD, breaker)])
     assert world.launcher.jobs == []
+
+
+OTHER = HostPort("10.0.0.8", 8000)
+THIRD = HostPort("10.0.0.9", 8000)
+
+
+async def test_a_pool_request_whose_bootstrap_fails_moves_to_another_member(
+    world: World,
+) -> None:
+    world.pool = [POD, OTHER]
+    world.engines.errors[POD] = BootstrapError("timed out", Verdict.DOWN)
+    answer = await concurrent(world, from_pool=True).request_body(body())
+    assert rewritten(answer)["kv_transfer_params"]["do_remote_prefill"] is True
+    assert world.launcher.job.target == OTHER
+    assert world.pod_failures == [(POD, Verdict.DOWN)]  # held against the pod that failed
+    assert world.metrics.reroutes._value.get() == 1
+
+
+async def test_tries_are_bounded_and_the_last_failure_is_the_answer(world: World) -> None:
+    fourth = HostPort("10.0.0.10", 8000)
+    world.pool = [POD, OTHER, THIRD, fourth]
+    world.engines.error = BootstrapError("status 500")
+    answer = await concurrent(world, from_pool=True).request_body(body())
+    assert status(answer) == 502
+    assert world.engines.asked == [POD, OTHER, THIRD]
+    assert world.launcher.jobs == []
+
+
+async def test_the_endpoint_pickers_choice_is_never_moved(world: World) -> None:
+    world.pool = [POD, OTHER]
+    world.engines.errors[POD] = BootstrapError("status 500")
+    assert status(await concurrent(world).request_body(body())) == 502
+    assert world.engines.asked == [POD]
+
+
+async def test_a_request_counts_against_its_pod_until_its_prefill_runs(world: World) -> None:
+    pair = concurrent(world, from_pool=True)
+    assert world.deps.load(POD) == 1  # assigned: waiting for its body
+    await pair.request_body(body())
+    assert world.deps.load(POD) == 1  # now the launcher's count
+    await settle(world.launcher.job, PrefillResult.OK)
+    assert world.deps.load(POD) == 0
+    other = concurrent(world)
+    other.close(abandoned=True)
+    assert world.deps.load(POD) == 0
 
 
 async def test_a_bootstrap_failure_with_decode_only_policy_is_served_alone() -> None:
@@ -597,7 +644,7 @@ async def test_nixl_side_channel_the_gateway_admits_is_used(world: World) -> Non
     assert rewritten(await deferred.later)[KV]["remote_host"] == "10.9.9.9"
 
 
-async def test_nixl_prefill_refusing_the_request_answers_the_client_as_it_is(
+async def test_nixl_prefill_refusing_the_request_answers_its_status_and_message(
     world: World,
 ) -> None:
     deferred = await sequential(world).request_body(body())
@@ -613,7 +660,10 @@ async def test_nixl_prefill_refusing_the_request_answers_the_client_as_it_is(
     )
     answer = await deferred.later
     assert status(answer) == 400
-    assert answer.immediate_response.body == refusal
+    error = orjson.loads(answer.immediate_response.body)
+    assert error["type"] == "BadRequestError"
+    assert error["code"] == 400
+    assert "'context too long'" in error["message"]
     assert world.counted.only is Outcome.PREFILL_FAILED
 
 
@@ -670,9 +720,12 @@ def test_prefill_errors_are_named_for_the_client() -> None:
     assert reply(PrefillResult.CONNECT_ERROR).kind is ErrorKind.PREFILL_FAILED
 
 
+async def test_trailers_with_no_body_before_them_are_refused(world: World) -> None:
+    assert status(concurrent(world).request_trailers()) == 400
+    assert [o for _, o in world.counted.outcomes] == [Outcome.BAD_REQUEST]
+
+
 async def test_what_comes_around_a_buffered_body_passes(world: World) -> None:
-    pair = concurrent(world)
-    assert pair.request_trailers() is msg.CONTINUE_REQUEST_TRAILERS
     nixl = sequential(world, min_prompt=len(CHAT_BYTES) + 1)
     await nixl.request_body(body())
     # Served alone (short prompt): no prefill to wait for.

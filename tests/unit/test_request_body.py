@@ -16,12 +16,14 @@ from pdproc.connectors import ClientRequest, mooncake, nixlv2, sglang
 from pdproc.gateway_fields import GATEWAY_FIELDS
 from pdproc.targets import HostPort
 
+from .fakes import both_legs, value_of
+
 TARGET = HostPort("10.0.0.1", 8000)
 
 
 def mooncake_legs(raw: bytes, path: str = "/v1/completions") -> tuple[Any, Any]:
     request = ClientRequest(path, raw, rb.parse_body(raw))
-    legs = mooncake.Mooncake(8998).legs(request, TARGET, {0: "e0"}, {})
+    legs = both_legs(mooncake.Mooncake(8998), request, TARGET, {0: "e0"}, {})
     assert legs.decode_body is not None
     return json.loads(bytes(legs.prefill_body)), json.loads(legs.decode_body)
 
@@ -33,7 +35,7 @@ def test_members_are_slices_of_the_clients_bytes() -> None:
     assert all(isinstance(value, msgspec.Raw) for value in members.values())
     assert bytes(members["prompt"]) == b'"caf\xc3\xa9 \\"q\\""'
     assert bytes(members["t"]) == b"1.50"
-    assert rb.value_of(members, "tools") == [1, {"a": 2}]
+    assert value_of(members, "tools") == [1, {"a": 2}]
 
 
 def test_the_prefill_leg_carries_the_clients_spelling_of_every_member_it_keeps() -> None:
@@ -43,7 +45,7 @@ def test_the_prefill_leg_carries_the_clients_spelling_of_every_member_it_keeps()
         b'"stream":true,"stop":["\\n"]}'
     )
     request = ClientRequest("/v1/completions", raw, rb.parse_body(raw))
-    legs = mooncake.Mooncake(8998).legs(request, TARGET, {0: "e0"}, {})
+    legs = both_legs(mooncake.Mooncake(8998), request, TARGET, {0: "e0"}, {})
     for spelled in (
         b'"prompt":"\\u00e9t\\u00e9 \\ud83d\\ude00"',
         b'"temperature":1.50',
@@ -101,7 +103,7 @@ def test_the_decode_leg_reads_duplicates_as_the_engines_do() -> None:
     wins), it means what pdproc checked."""
     raw = b'{"model":"m","prompt":"x","max_tokens":5,"max_tokens":9}'
     _, decode = mooncake_legs(raw)
-    assert decode["max_tokens"] == 9 == rb.value_of(rb.parse_body(raw), "max_tokens")
+    assert decode["max_tokens"] == 9 == value_of(rb.parse_body(raw), "max_tokens")
 
 
 @pytest.mark.parametrize(
@@ -182,27 +184,10 @@ def test_sampling_params_that_are_not_an_object_are_left_alone() -> None:
 def test_sglang_legs_are_the_clients_bytes_with_the_room() -> None:
     raw = orjson.dumps({"model": "m", "prompt": "p" * 5000, "stream": True})
     request = ClientRequest("/v1/completions", raw, rb.parse_body(raw))
-    legs = sglang.SGLang(8998).legs(request, TARGET, None, {})
+    legs = both_legs(sglang.SGLang(8998), request, TARGET, None, {})
     assert legs.decode_body is not None
     assert legs.decode_body.startswith(raw[:-1])
     assert bytes(legs.prefill_body) == legs.decode_body
-
-
-def test_a_kept_body_counts_past_the_limit_and_is_released_once() -> None:
-    from pdproc.budget import ByteBudget
-
-    levels: list[int] = []
-    budget = ByteBudget(100, levels.append)
-    holding = budget.holding()
-    with budget.hold(90) as admitted:
-        assert admitted
-        holding.keep(90)  # admitted already: kept past the limit, never refused
-    assert budget.held == 90
-    assert not budget.take(20)  # others now see it
-    holding.release()
-    holding.release()
-    assert budget.held == 0
-    assert levels[-1] == 0
 
 
 @given(
@@ -230,7 +215,7 @@ def test_a_body_in_pieces_is_the_body_encoded_whole(data: dict[str, object]) -> 
 def test_a_long_prompt_goes_to_the_prefill_as_a_view_of_the_clients_bytes() -> None:
     raw = orjson.dumps({"model": "m", "prompt": "p" * 100_000, "stream": True})
     request = ClientRequest("/v1/completions", raw, rb.parse_body(raw))
-    legs = mooncake.Mooncake(8998).legs(request, HostPort("10.0.0.1", 8000), {0: "e0"}, {})
+    legs = both_legs(mooncake.Mooncake(8998), request, HostPort("10.0.0.1", 8000), {0: "e0"}, {})
     views = [part for part in legs.prefill_body.parts if isinstance(part, memoryview)]
     assert [len(view) for view in views] == [100_002]  # the prompt, quotes included
     others = [part for part in legs.prefill_body.parts if not isinstance(part, memoryview)]

@@ -9,6 +9,8 @@ from pdproc.connectors.sglang import SGLang, new_room
 from pdproc.request_body import parse_body
 from pdproc.targets import HostPort
 
+from .fakes import both_legs
+
 POD = HostPort("fd00::7", 30000)
 RAW = orjson.dumps({"model": "m", "prompt": "hi", "max_tokens": 9, "stream": True})
 
@@ -19,7 +21,7 @@ def request() -> ClientRequest:
 
 def test_both_legs_are_the_clients_body_with_the_rendezvous() -> None:
     connector = SGLang(8998)
-    legs = connector.legs(request(), POD, None, {})
+    legs = both_legs(connector, request(), POD, None, {})
     assert legs.decode_body is not None
     assert bytes(legs.prefill_body) == legs.decode_body  # the same room, the same request
     sent = orjson.loads(legs.decode_body)

@@ -13,7 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdproc.request_body import BodyError, members
-from pdproc.streamed_body import TAIL, StreamedBody, parse_content_length
+from pdproc.streamed_body import (
+    CHUNK_BYTES,
+    FREE_CHUNKS,
+    TAIL,
+    StreamedBody,
+    max_chunks,
+    parse_content_length,
+)
 from tests.hypothesis_budget import examples
 
 KV = {"kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "xfer-1"}}
@@ -338,3 +345,23 @@ def test_the_whole_body_is_handed_over_once_and_the_chunks_let_go() -> None:
         many.feed(raw[start : start + 1000], start + 1000 >= len(raw))
     assert many.whole() == raw
     assert many.whole() == b""  # nothing held any more
+
+
+def test_a_body_may_come_in_as_many_chunks_as_its_bytes_allow() -> None:
+    length = 64 * 1024
+    allowed = max_chunks(length)
+    assert allowed == FREE_CHUNKS + length // CHUNK_BYTES
+    streamed = StreamedBody(length)
+    piece = length // allowed
+    for _ in range(allowed - 1):
+        streamed.feed(b"x" * piece, False)
+    streamed.feed(b"x" * (length - piece * (allowed - 1)), True)  # the last one allowed
+
+
+def test_one_chunk_more_than_its_bytes_allow_is_a_body_error() -> None:
+    length = 64 * 1024
+    streamed = StreamedBody(length)
+    for _ in range(max_chunks(length)):
+        streamed.feed(b"x" * 8, False)
+    with pytest.raises(BodyError, match="too many pieces"):
+        streamed.feed(b"x" * 8, False)
