@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import sys
 import time
@@ -23,6 +24,10 @@ from typing import Any
 import aiohttp
 
 PROMPT = "The cluster bed sends this prompt to the gateway. " * 4
+# Every request opens its own conversation, as many users would: pdproc's default pool
+# policy keeps one conversation on one pod (its prefix cache), so one prompt repeated would
+# measure that stickiness, not how the pool shares out and routes around failures.
+_conversations = itertools.count()
 
 
 @dataclass
@@ -46,7 +51,8 @@ async def complete(
 ) -> tuple[int, str | None]:
     """One streamed completion: (status, None) when it streamed to its `[DONE]`, else what
     went wrong (`502 bootstrap_error`, `in-band error`, `timeout` ...)."""
-    body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 8, "stream": True}
+    prompt = f"Conversation {next(_conversations)}. {PROMPT}"
+    body = {"model": "sim-model", "prompt": prompt, "max_tokens": 8, "stream": True}
     try:
         async with session.post(
             url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)

@@ -38,8 +38,6 @@ class Scenario:
     duration_s: float = 12.0
     load: tuple[str, ...] = ("--clients", "8", "--rate", "12")
     client_timeout: float = 20.0
-    # Why the bound needs the picker's routing around failing pods (an xfail until then).
-    needs_picker: str | None = None
     observed: Callable[[report.Outcome], str] = field(default=lambda _o: "")
 
 
@@ -193,7 +191,6 @@ def _dns_back_with_p3(bed: Bed) -> None:
     bed.set_dns(PODS)
 
 
-PICKER = "needs the picker to route around a failing pod"
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "healthy",
@@ -210,7 +207,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         silent_death,
         steps=(Step(4.0, "p1 link down", lambda bed: bed.link("p1", up=False)),),
         duration_s=30.0,
-        needs_picker=f"{PICKER}: dead-peer detection, breaker opens at once, background probes",
         observed=failure_times,
     ),
     Scenario(
@@ -220,7 +216,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         no_failures,
         before=_partition_bootstrap,
         duration_s=15.0,
-        needs_picker=f"{PICKER}: another member after a bootstrap failure, pending load counted",
     ),
     Scenario(
         "dns-removal",
@@ -232,7 +227,6 @@ SCENARIOS: tuple[Scenario, ...] = (
             Step(6.0, "p3 stopped", lambda bed: bed.stop_proc("p3")),
         ),
         duration_s=18.0,
-        needs_picker=f"{PICKER}: a refresh within ~2 s, another member after a refused prefill",
     ),
     Scenario(
         "dns-scale-up",
@@ -242,7 +236,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         steps=(Step(3.0, "p3 into DNS", lambda bed: bed.set_dns(PODS)),),
         dns=("p1", "p2"),
         duration_s=15.0,
-        needs_picker="needs DNS refreshed every ~2 s by default (today 10 s)",
         observed=first_p3("p3 into DNS"),
     ),
     Scenario(
@@ -258,7 +251,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         ),
         dns=("p1", "p2"),
         duration_s=22.0,
-        needs_picker="needs lookups bounded by the refresh period and a ~2 s refresh",
         observed=first_p3("resolver back with p3"),
     ),
     Scenario(
@@ -268,7 +260,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         ties,
         load=("--clients", "1", "--rate", "0", "--requests", "60"),
         duration_s=60.0,
-        needs_picker="needs ties between equally loaded pods broken evenly",
     ),
 )
 
