@@ -18,7 +18,7 @@ PYTEST_ARGS ?= tests
 
 .PHONY: install dev demo test lint complexity protos protos-check dist test-venv test-installed \
 	test-oldest-envoy test-envoy-matrix test-engines unit coverage bench bench-smoke envoy-config clean \
-	image print-image test-compose promtool
+	image print-image test-compose promtool test-cluster cluster-packages
 
 $(STAMP): pyproject.toml $(SIM)
 	python3 -m venv $(VENV)
@@ -171,6 +171,30 @@ test-engines:
 	bash scripts/engines/install.sh
 	PDPROC_TEST_ENGINES=1 $(INSTALLED_ENV) \
 	  $(TPY) -m pytest -q -p no:cacheprovider -rxXs $(ENGINE_TESTS)
+
+# The cluster suite (tests/cluster/, docs/cluster-tests.md): a bed of Linux network
+# namespaces (gateway with Envoy and the installed pdproc, three simulated prefill pods, a
+# decode, real dnsmasq serving the pods' A records, a client), the failure scenarios run on
+# it under paced streaming load, the scenario table printed (and left in
+# build/cluster-report.md), everything torn down. Root only. Uses .venv-test as `make test`
+# left it (made here when missing); installs its Debian tools when missing.
+test-cluster: cluster-packages
+	@test -x $(TPY) || $(MAKE) --no-print-directory test-venv
+	PATH="$(CLUSTER_PATH)" PDPROC_TEST_CLUSTER=1 PDPROC_CLUSTER_REPORT="$(CURDIR)/build/cluster-report.md" \
+	  $(INSTALLED_ENV) \
+	  $(TPY) -m pytest -q -p no:cacheprovider -rxXs tests/cluster
+
+# The tools live in sbin, which a non-login root shell may not have on PATH.
+CLUSTER_PATH := $(PATH):/usr/sbin:/sbin
+CLUSTER_TOOLS := ip:iproute2 nft:nftables dnsmasq:dnsmasq-base getent:libc-bin
+cluster-packages:
+	@missing=; for tool in $(CLUSTER_TOOLS); do \
+	  PATH="$(CLUSTER_PATH)" command -v "$${tool%%:*}" >/dev/null || missing="$$missing $${tool#*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing (Debian)" >&2; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends $$missing >/dev/null; fi
 
 # The fast loop: unit tests, pdproc over real gRPC in process (integration), and the security
 # tests that need no Envoy (tests/security marks the others e2e), in 3 worker processes

@@ -21,9 +21,9 @@ from pdproc.extproc_wire import Encoded, body_answer
 from pdproc.request_body import Buffer
 from pdproc.targets import PREFILL_HEADER
 
-Message: TypeAlias = pb.ProcessingResponse
-# An answer: a message, or a body answer already in wire form (pdproc.extproc_wire).
-Response: TypeAlias = pb.ProcessingResponse | Encoded
+# An answer to Envoy, the one name for one: a message, or a body answer already in wire
+# form (pdproc.extproc_wire). A processor may also answer later (pdproc.processors.Deferred).
+Answer: TypeAlias = pb.ProcessingResponse | Encoded
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _STRIP_PREFILL_HEADER = pb.HeaderMutation(remove_headers=[PREFILL_HEADER])
@@ -58,13 +58,13 @@ def _checked_mark() -> pb.ProcessingResponse:
 _CHECKED = _checked_mark().dynamic_metadata
 
 # Answers that never change, built once.
-CONTINUE_REQUEST_HEADERS = Message(
+CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(header_mutation=_STRIP_PREFILL_HEADER)
     )
 )
 # Not P/D: stop buffering the body and skip the response phase (needs allow_mode_override).
-PASS_THROUGH_HEADERS = Message(
+PASS_THROUGH_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(header_mutation=_STRIP_PREFILL_HEADER)
     ),
@@ -74,7 +74,7 @@ PASS_THROUGH_HEADERS = Message(
 )
 # A P/D-path request served by the decode alone: its body is still checked, but it needs no
 # response phase.
-CHECK_BODY_ONLY_HEADERS = Message(
+CHECK_BODY_ONLY_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(header_mutation=_STRIP_PREFILL_HEADER)
     ),
@@ -82,25 +82,27 @@ CHECK_BODY_ONLY_HEADERS = Message(
         request_body_mode=ProcessingMode.BUFFERED, response_header_mode=ProcessingMode.SKIP
     ),
 )
-CONTINUE_REQUEST_BODY = Message(request_body=pb.BodyResponse())
-CHECKED_REQUEST_BODY = Message(request_body=pb.BodyResponse(), dynamic_metadata=_CHECKED)
+CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+CHECKED_REQUEST_BODY = pb.ProcessingResponse(
+    request_body=pb.BodyResponse(), dynamic_metadata=_CHECKED
+)
 
 
-def checked_request_body(request_id: str | None) -> Response:
+def checked_request_body(request_id: str | None) -> Answer:
     """The client's body on unchanged, marked checked; with the request headers still held,
     `request_id` (when given) replaces x-request-id."""
     if request_id is None:
         return CHECKED_REQUEST_BODY
-    response = Message(dynamic_metadata=_CHECKED)
+    response = pb.ProcessingResponse(dynamic_metadata=_CHECKED)
     mutation = response.request_body.response.header_mutation
     mutation.set_headers.append(_header("x-request-id", request_id.encode()))
     return response
 
 
-CONTINUE_RESPONSE_HEADERS = Message(response_headers=pb.HeadersResponse())
-CONTINUE_RESPONSE_BODY = Message(response_body=pb.BodyResponse())
-CONTINUE_REQUEST_TRAILERS = Message(request_trailers=pb.TrailersResponse())
-CONTINUE_RESPONSE_TRAILERS = Message(response_trailers=pb.TrailersResponse())
+CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
+CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+CONTINUE_RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 # The answer that lets any message pass unchanged, by kind.
 CONTINUE = {
@@ -113,9 +115,9 @@ CONTINUE = {
 }
 
 
-def immediate(reply: ErrorReply) -> Message:
+def immediate(reply: ErrorReply) -> pb.ProcessingResponse:
     """Answer the request in Envoy's place; Envoy cancels whatever is upstream."""
-    return Message(
+    return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=HttpStatus(code=reply.status),
             headers=pb.HeaderMutation(
@@ -130,10 +132,10 @@ def immediate(reply: ErrorReply) -> Message:
     )
 
 
-def passed_through(status: int, answer: bytes, content_type: str | None) -> Message:
+def passed_through(status: int, answer: bytes, content_type: str | None) -> pb.ProcessingResponse:
     """A pod's refusal (NIXL: 400-451) with its own status, as an OpenAI-style JSON error
     (`errors.pod_refusal_body`: never the pod's body as it came)."""
-    return Message(
+    return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=HttpStatus(code=status),
             headers=pb.HeaderMutation(
@@ -148,11 +150,11 @@ def passed_through(status: int, answer: bytes, content_type: str | None) -> Mess
     )
 
 
-def body_response(body: bytes, *, content_length: bool, request_id: str | None = None) -> Response:
+def body_response(body: bytes, *, content_length: bool, request_id: str | None = None) -> Answer:
     """The rewritten body. With the request headers still held by Envoy, content-length must
     change with it (and `request_id`, when given, replaces x-request-id); in single-message
     mode they are gone upstream already and Envoy sends the body chunked."""
-    head = Message(dynamic_metadata=_CHECKED)
+    head = pb.ProcessingResponse(dynamic_metadata=_CHECKED)
     if content_length:
         mutation = head.request_body.response.header_mutation
         mutation.set_headers.append(_header("content-length", str(len(body)).encode()))
@@ -165,7 +167,7 @@ def body_response(body: bytes, *, content_length: bool, request_id: str | None =
 # leg is sent chunked, its rewritten end making it longer. The body is marked checked only
 # at its last chunk, so if pdproc fails mid-body (Envoy fails open and passes the rest on
 # unseen), the kv guard, which holds a body that carries no mark, checks it whole.
-STREAMED_HEADERS = Message(
+STREAMED_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(
             header_mutation=pb.HeaderMutation(remove_headers=[PREFILL_HEADER, "content-length"])
@@ -180,39 +182,39 @@ STREAMED_HEADERS = Message(
 )
 
 
-def chunk_response(data: Buffer | None) -> Response:
+def chunk_response(data: Buffer | None) -> Answer:
     """One streamed body chunk: on unchanged (None), or replaced by `data`."""
     if data is None:
         return CONTINUE_REQUEST_BODY
     if data:
-        return body_answer(Message(), (data,))
-    response = Message()
+        return body_answer(pb.ProcessingResponse(), (data,))
+    response = pb.ProcessingResponse()
     response.request_body.response.body_mutation.clear_body = True
     return response
 
 
-def last_chunk_response(data: Sequence[Buffer]) -> Response:
+def last_chunk_response(data: Sequence[Buffer]) -> Answer:
     """The last chunk of a streamed body, replaced by `data` joined; the body is checked."""
     if any(data):
-        return body_answer(Message(dynamic_metadata=_CHECKED), data)
-    response = Message(dynamic_metadata=_CHECKED)
+        return body_answer(pb.ProcessingResponse(dynamic_metadata=_CHECKED), data)
+    response = pb.ProcessingResponse(dynamic_metadata=_CHECKED)
     response.request_body.response.body_mutation.clear_body = True
     return response
 
 
-def ends_request(response: Response) -> bool:
+def ends_request(response: Answer) -> bool:
     """An immediate response: Envoy answers the client with it and closes the stream."""
     return not isinstance(response, Encoded) and response.HasField("immediate_response")
 
 
-def answers_response_headers(response: Response) -> bool:
+def answers_response_headers(response: Answer) -> bool:
     return not isinstance(response, Encoded) and response.HasField("response_headers")
 
 
-def hold(seconds: float) -> Message:
+def hold(seconds: float) -> pb.ProcessingResponse:
     """Give pdproc `seconds` (instead of the filter's message_timeout) to answer the message
     Envoy is waiting on. Envoy honours only the first such request per message."""
-    response = Message()
+    response = pb.ProcessingResponse()
     whole = int(seconds)
     response.override_message_timeout.seconds = whole
     response.override_message_timeout.nanos = int((seconds - whole) * 1e9)

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol
 
 from opentelemetry.trace import Span
 
@@ -74,14 +74,13 @@ class Deferred:
     is not ready `hold_after` seconds from now, `hold` (a longer timeout) is written first:
     the usual short wait costs no extra message."""
 
-    later: Awaitable[msg.Response]
-    hold: msg.Response
+    later: Awaitable[msg.Answer]
+    hold: msg.Answer
     hold_after: float
 
 
-Answer: TypeAlias = "msg.Response | Deferred"
 # The stream's way to end its request unasked (an immediate response written now).
-Abort = Callable[[msg.Response], None]
+Abort = Callable[[msg.Answer], None]
 
 
 def _nothing() -> None:
@@ -162,7 +161,7 @@ class RequestContext:
     def log_fields(self, **more: Any) -> dict[str, Any]:
         return {"request_id": self.request_id, "path": self.path, **trace_fields(self.span), **more}
 
-    def reject(self, reply: ErrorReply) -> msg.Response:
+    def reject(self, reply: ErrorReply) -> msg.Answer:
         """Answer the request in Envoy's place; the request ends here and is counted here."""
         self.finish(Outcome.of(reply.kind))
         fail(self.span, reply.message)
@@ -173,7 +172,7 @@ class RequestContext:
         )
         return msg.immediate(reply)
 
-    def decode_alone(self, outcome: Outcome, reason: str | None = None) -> None:
+    def count_decode_only(self, outcome: Outcome, reason: str | None = None) -> None:
         """Record (and log, if it is a fallback) that the decode serves this request alone."""
         if reason is not None:
             log.warning(
@@ -181,9 +180,9 @@ class RequestContext:
             )
         self.finish(outcome)
 
-    def served_alone(self, outcome: Outcome, reason: str | None = None) -> msg.Response:
+    def serve_decode_only(self, outcome: Outcome, reason: str | None = None) -> msg.Answer:
         """The client's own body goes on to the decode, marked as checked."""
-        self.decode_alone(outcome, reason)
+        self.count_decode_only(outcome, reason)
         return msg.checked_request_body(self.held_request_id())
 
     def close(self) -> None:
@@ -194,13 +193,13 @@ class RequestContext:
 class RequestProcessor(Protocol):
     context: RequestContext
 
-    async def request_headers(self) -> Answer: ...
+    async def request_headers(self) -> msg.Answer | Deferred: ...
 
-    async def request_body(self, body: Body) -> Answer: ...
+    async def request_body(self, body: Body) -> msg.Answer | Deferred: ...
 
-    def request_trailers(self) -> Answer: ...
+    def request_trailers(self) -> msg.Answer | Deferred: ...
 
-    def response_headers(self, headers: pb.HttpHeaders) -> Answer: ...
+    def response_headers(self, headers: pb.HttpHeaders) -> msg.Answer | Deferred: ...
 
     def close(self, *, abandoned: bool) -> Outcome | None:
         """The stream ended (`abandoned`: before the decode's answer went to the client).
@@ -215,16 +214,16 @@ class PassThrough:
         self.context = context
         context.finish(Outcome.PASSTHROUGH)
 
-    async def request_headers(self) -> Answer:
+    async def request_headers(self) -> msg.Answer | Deferred:
         return msg.PASS_THROUGH_HEADERS
 
-    async def request_body(self, body: Body) -> Answer:
+    async def request_body(self, body: Body) -> msg.Answer | Deferred:
         return msg.CONTINUE_REQUEST_BODY
 
-    def request_trailers(self) -> Answer:
+    def request_trailers(self) -> msg.Answer | Deferred:
         return msg.CONTINUE_REQUEST_TRAILERS
 
-    def response_headers(self, headers: pb.HttpHeaders) -> Answer:
+    def response_headers(self, headers: pb.HttpHeaders) -> msg.Answer | Deferred:
         return msg.CONTINUE_RESPONSE_HEADERS
 
     def close(self, *, abandoned: bool) -> Outcome | None:
@@ -238,10 +237,10 @@ class Rejected(PassThrough):
         self.context = context
         self._reply = reply
 
-    async def request_headers(self) -> Answer:
+    async def request_headers(self) -> msg.Answer | Deferred:
         return self.context.reject(self._reply)
 
-    async def request_body(self, body: Body) -> Answer:
+    async def request_body(self, body: Body) -> msg.Answer | Deferred:
         return self.context.reject(self._reply)
 
 
@@ -266,8 +265,8 @@ async def serve_checked(
     held: BodyBytes,
     max_bytes: int,
     body: Body,
-    serve: Callable[[ClientRequest], Awaitable[Answer]],
-) -> Answer:
+    serve: Callable[[ClientRequest], Awaitable[msg.Answer | Deferred]],
+) -> msg.Answer | Deferred:
     """A whole body, counted in `held` while it is checked and `serve`d (and after, by
     whoever `serve` hands the bytes on to); the client's 503 when the budget is full, its
     4xx when the body fails the checks."""
@@ -293,18 +292,18 @@ class DecodeOnly(PassThrough):
         self._outcome = outcome
         self._reason = reason
 
-    async def request_headers(self) -> Answer:
+    async def request_headers(self) -> msg.Answer | Deferred:
         return msg.CHECK_BODY_ONLY_HEADERS
 
-    async def request_body(self, body: Body) -> Answer:
+    async def request_body(self, body: Body) -> msg.Answer | Deferred:
         deps = self._deps
         held = deps.budget.body()
         return await serve_checked(
             self.context, held, deps.settings.max_body_bytes, body, self._serve
         )
 
-    async def _serve(self, request: ClientRequest) -> Answer:
-        return self.context.served_alone(self._outcome, self._reason)
+    async def _serve(self, request: ClientRequest) -> msg.Answer | Deferred:
+        return self.context.serve_decode_only(self._outcome, self._reason)
 
 
 class Disaggregated:
@@ -342,7 +341,7 @@ class Disaggregated:
             context.span.set_attribute(ATTR_TARGET, str(target))
             context.span.set_attribute(ATTR_CONNECTOR, connector.name)
 
-    async def request_headers(self) -> Answer:
+    async def request_headers(self) -> msg.Answer | Deferred:
         started = time.perf_counter()
         if self._uses_engines:
             # Overlap a cache miss with Envoy sending the body.
@@ -351,28 +350,30 @@ class Disaggregated:
         self._busy_s += time.perf_counter() - started
         return answer
 
-    def _headers_answer(self) -> msg.Response:
+    def _headers_answer(self) -> msg.Answer:
         return msg.CONTINUE_REQUEST_HEADERS
 
-    async def request_body(self, body: Body) -> Answer:
+    async def request_body(self, body: Body) -> msg.Answer | Deferred:
         self._body_seen = True
         max_bytes = self._deps.settings.max_body_bytes
         return await serve_checked(self.context, self._budget, max_bytes, body, self._serve)
 
-    async def _serve(self, request: ClientRequest) -> Answer:
+    async def _serve(self, request: ClientRequest) -> msg.Answer | Deferred:
         if len(request.raw) < self._min_prompt:
             # Too short for P/D to pay: the decode does it all (--pd-min-prompt).
-            return self.context.served_alone(Outcome.SHORT_PROMPT)
+            return self.context.serve_decode_only(Outcome.SHORT_PROMPT)
         return await self._pair(request, None)
 
-    def request_trailers(self) -> Answer:
+    def request_trailers(self) -> msg.Answer | Deferred:
         if self._body_seen or self.context.finished:
             return msg.CONTINUE_REQUEST_TRAILERS  # a body with trailers was refused already
         # Trailers with no body before them: refused like trailers after a body, rather
         # than reaching the decode unchecked and uncounted.
         return self.context.reject(_TRAILERS)
 
-    async def _pair(self, request: ClientRequest, streamed: StreamedBody | None) -> Answer:
+    async def _pair(
+        self, request: ClientRequest, streamed: StreamedBody | None
+    ) -> msg.Answer | Deferred:
         """The body is known: the engine map (if the connector needs one), the legs, the
         prefill launched, and the body's answer. `streamed`: the body went on to the decode
         as it arrived, all but its tail."""
@@ -387,9 +388,9 @@ class Disaggregated:
             engines = found
             if self._deps.engines_seen is not None:
                 self._deps.engines_seen(self._target, engines)
-        busy = self._deps.launcher.in_flight_by_rank(self._target)
+        in_flight_by_rank = self._deps.launcher.in_flight_by_rank(self._target)
         try:
-            answer = self._launch_legs(request, engines, busy, streamed)
+            answer = self._launch_legs(request, engines, in_flight_by_rank, streamed)
         except BodyError as exc:
             return self.context.reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
         self._busy_s += time.perf_counter() - started
@@ -400,9 +401,9 @@ class Disaggregated:
         self,
         request: ClientRequest,
         engines: EngineMap | None,
-        busy: Mapping[int, int],
+        in_flight_by_rank: Mapping[int, int],
         streamed: StreamedBody | None,
-    ) -> Answer:
+    ) -> msg.Answer | Deferred:
         """Build the legs (BodyError when the body cannot be carried), launch the prefill,
         and return the body's answer."""
         raise NotImplementedError
@@ -458,7 +459,7 @@ class Disaggregated:
 
     def _no_engines(
         self, exc: BootstrapError, request: ClientRequest, streamed: StreamedBody | None
-    ) -> msg.Response:
+    ) -> msg.Answer:
         """No engine map for any pod tried: reject the request, or let the decode do it
         alone."""
         if exc.verdict is Verdict.NOT_THE_POD:
@@ -467,8 +468,8 @@ class Disaggregated:
         if self._deps.settings.on_bootstrap_error is BootstrapPolicy.REJECT:
             return self.context.reject(reply)
         if streamed is None:
-            return self.context.served_alone(Outcome.DECODE_ONLY, reply.message)
-        self.context.decode_alone(Outcome.DECODE_ONLY, reply.message)
+            return self.context.serve_decode_only(Outcome.DECODE_ONLY, reply.message)
+        self.context.count_decode_only(Outcome.DECODE_ONLY, reply.message)
         return msg.last_chunk_response(
             streamed.tail(request.raw, b"", empty_object=not request.parsed)
         )
@@ -492,7 +493,7 @@ class Disaggregated:
                 self.context.span.set_attribute(f"pdproc.{key}", value)
         return job
 
-    def _decode(self, body: bytes) -> msg.Response:
+    def _decode(self, body: bytes) -> msg.Answer:
         # With the request headers still held, the decode gets the id the prefill got.
         return msg.body_response(
             body,
@@ -500,7 +501,7 @@ class Disaggregated:
             request_id=self.context.held_request_id(),
         )
 
-    def _deferred(self, job: PrefillJob, later: Awaitable[msg.Response]) -> Deferred:
+    def _deferred(self, job: PrefillJob, later: Awaitable[msg.Answer]) -> Deferred:
         """An answer that waits for the prefill. The override asking Envoy to wait is sized
         for the rest of the prefill (Envoy honours only the first per message, capped at
         the filter's max_message_timeout), and only sent when the wait nears Envoy's
@@ -512,7 +513,7 @@ class Disaggregated:
         timeout = settings.envoy_message_timeout
         return Deferred(later, hold, hold_after=max(timeout - 2.0, timeout / 2))
 
-    def response_headers(self, headers: pb.HttpHeaders) -> Answer:
+    def response_headers(self, headers: pb.HttpHeaders) -> msg.Answer | Deferred:
         self._response_seen = True
         job = self._job
         if job is None:
@@ -523,11 +524,11 @@ class Disaggregated:
             self._deps.engines.invalidate(job.target)
         return self._answered(job, status)
 
-    def _answered_unlaunched(self, headers: pb.HttpHeaders) -> Answer:
+    def _answered_unlaunched(self, headers: pb.HttpHeaders) -> msg.Answer | Deferred:
         """The decode answered a request whose prefill was never launched."""
         return msg.CONTINUE_RESPONSE_HEADERS
 
-    def _answered(self, job: PrefillJob, status: str) -> Answer:
+    def _answered(self, job: PrefillJob, status: str) -> msg.Answer | Deferred:
         """The decode answered with `status` (its response headers wait for this)."""
         raise NotImplementedError
 
@@ -570,19 +571,17 @@ class SequentialPair(Disaggregated):
         self,
         request: ClientRequest,
         engines: EngineMap | None,
-        busy: Mapping[int, int],
+        in_flight_by_rank: Mapping[int, int],
         streamed: StreamedBody | None,
-    ) -> Answer:
-        legs = self._connector.legs(request, self._target, engines, busy)
+    ) -> msg.Answer | Deferred:
+        legs = self._connector.legs(request, self._target, engines, in_flight_by_rank)
         job = self._launch(legs, request, keep_answer=True)
         # The body's answer waits for the prefill (Envoy is told to wait if it must); the
         # client's body, kept for it till then, stays counted (and is let go at close).
         self._let_go_after_prefill = self._budget.share()
         return self._deferred(job, self._released_after_prefill(job, request))
 
-    async def _released_after_prefill(
-        self, job: PrefillJob, request: ClientRequest
-    ) -> msg.Response:
+    async def _released_after_prefill(self, job: PrefillJob, request: ClientRequest) -> msg.Answer:
         """The decode leg; the body bytes this request held are released once it is built.
         The inner coroutine is made here, not by the caller, so an answer never awaited (its
         stream ended first) leaves no coroutine behind unawaited."""
@@ -591,7 +590,7 @@ class SequentialPair(Disaggregated):
         finally:
             self._let_go_after_prefill()
 
-    async def _after_prefill(self, job: PrefillJob, request: ClientRequest) -> msg.Response:
+    async def _after_prefill(self, job: PrefillJob, request: ClientRequest) -> msg.Answer:
         """The decode leg once the prefill has answered."""
         outcome = await asyncio.shield(job.outcome)
         if outcome.ok and outcome.answer is not None:
@@ -600,14 +599,14 @@ class SequentialPair(Disaggregated):
                     request, outcome.answer, self._target, self._deps.admits
                 )
             except NoKvParams as exc:
-                return self.context.served_alone(
+                return self.context.serve_decode_only(
                     Outcome.DECODE_ONLY, f"unusable prefill answer: {exc}"
                 )
             except AnswerError as exc:
                 # The pod's answer is refused: the decode serves the request alone (NIXL's
                 # failure rule), counted apart from an unusable or failed prefill.
                 fail(self.context.span, str(exc))
-                return self.context.served_alone(
+                return self.context.serve_decode_only(
                     Outcome.PREFILL_ANSWER_REFUSED, f"prefill answer refused: {exc}"
                 )
             return self._decode(body)  # counted once the decode answers (response_headers)
@@ -617,9 +616,9 @@ class SequentialPair(Disaggregated):
             return msg.passed_through(
                 outcome.status or 502, outcome.answer or b"", outcome.content_type
             )
-        return self.context.served_alone(Outcome.DECODE_ONLY, reply.message)
+        return self.context.serve_decode_only(Outcome.DECODE_ONLY, reply.message)
 
-    def _answered(self, job: PrefillJob, status: str) -> Answer:
+    def _answered(self, job: PrefillJob, status: str) -> msg.Answer | Deferred:
         # The prefill ended before the decode began.
         if job.outcome.done() and job.outcome.result().ok:
             self.context.finish(Outcome.PD)
@@ -649,7 +648,7 @@ class ConcurrentPair(Disaggregated):
         self._abort = abort
         self._streamed: StreamedBody | None = None
 
-    def _headers_answer(self) -> msg.Response:
+    def _headers_answer(self) -> msg.Answer:
         length = self._streamable_length()
         return msg.CONTINUE_REQUEST_HEADERS if length is None else self._stream(length)
 
@@ -666,7 +665,7 @@ class ConcurrentPair(Disaggregated):
             return None  # buffered, it gets Envoy's 413 or pdproc's
         return length
 
-    def _stream(self, length: int) -> msg.Response:
+    def _stream(self, length: int) -> msg.Answer:
         """Have Envoy stream the body past pdproc; its bytes count against the in-flight
         budget as they arrive, until its end. The announced length reserves nothing."""
         if self._deps.budget.full:
@@ -677,12 +676,12 @@ class ConcurrentPair(Disaggregated):
         self._deps.metrics.streamed_bodies.inc()
         return msg.STREAMED_HEADERS
 
-    async def request_body(self, body: Body) -> Answer:
+    async def request_body(self, body: Body) -> msg.Answer | Deferred:
         if self._streamed is None:
             return await super().request_body(body)
         return await self._stream_chunk(body, self._streamed)
 
-    async def _stream_chunk(self, body: Body, streamed: StreamedBody) -> Answer:
+    async def _stream_chunk(self, body: Body, streamed: StreamedBody) -> msg.Answer | Deferred:
         """A chunk of a streamed body: on at once, except the held-back tail."""
         if not self._budget.take(len(body)):
             return self._stream_refused(_OVERLOADED)
@@ -697,7 +696,7 @@ class ConcurrentPair(Disaggregated):
         finally:
             self._budget.release()
 
-    async def _stream_end(self, streamed: StreamedBody) -> Answer:
+    async def _stream_end(self, streamed: StreamedBody) -> msg.Answer | Deferred:
         """The whole body is in: check it, then pair it. A refusal here cuts the decode off
         mid-body."""
         raw = streamed.whole()
@@ -709,12 +708,12 @@ class ConcurrentPair(Disaggregated):
             return self.context.reject(ErrorReply(ErrorKind.BAD_REQUEST, str(exc)))
         return await self._pair(request, streamed)
 
-    def _stream_refused(self, reply: ErrorReply) -> msg.Response:
+    def _stream_refused(self, reply: ErrorReply) -> msg.Answer:
         """A streamed body refused before its end: its bytes leave the budget now."""
         self._budget.release()
         return self.context.reject(reply)
 
-    def request_trailers(self) -> Answer:
+    def request_trailers(self) -> msg.Answer | Deferred:
         if self._streamed is not None and not self.context.finished:
             # Only a chunk marked as the body's last can carry its rewritten end.
             return self._stream_refused(_TRAILERS)
@@ -724,10 +723,10 @@ class ConcurrentPair(Disaggregated):
         self,
         request: ClientRequest,
         engines: EngineMap | None,
-        busy: Mapping[int, int],
+        in_flight_by_rank: Mapping[int, int],
         streamed: StreamedBody | None,
-    ) -> Answer:
-        plan = self._connector.plan(self._target, engines, busy)
+    ) -> msg.Answer | Deferred:
+        plan = self._connector.plan(self._target, engines, in_flight_by_rank)
         if streamed is None:
             decode_body = self._connector.decode_leg(request, plan)
             legs = self._connector.prefill_leg(request, plan, decode_body)
@@ -762,7 +761,7 @@ class ConcurrentPair(Disaggregated):
         else:
             self._abort(self._aborted(result, "before_response"))
 
-    def _answered_unlaunched(self, headers: pb.HttpHeaders) -> Answer:
+    def _answered_unlaunched(self, headers: pb.HttpHeaders) -> msg.Answer | Deferred:
         if self._streamed is not None and not self.context.finished:
             # An answer to a streamed body whose end pdproc never released: Envoy's own (the
             # kv guard's buffer overflowed: 413) or the decode's, to a body it never got
@@ -772,7 +771,7 @@ class ConcurrentPair(Disaggregated):
             self.context.finish(Outcome.TOO_LARGE if too_large else Outcome.UNFINISHED_BODY)
         return msg.CONTINUE_RESPONSE_HEADERS
 
-    def _answered(self, job: PrefillJob, status: str) -> Answer:
+    def _answered(self, job: PrefillJob, status: str) -> msg.Answer | Deferred:
         if job.outcome.done():
             return self._settled(job.outcome.result(), "before_response")
         if not status.startswith("2"):
@@ -780,19 +779,19 @@ class ConcurrentPair(Disaggregated):
             return msg.CONTINUE_RESPONSE_HEADERS
         return self._deferred(job, self._held(job))
 
-    async def _held(self, job: PrefillJob) -> msg.Response:
+    async def _held(self, job: PrefillJob) -> msg.Answer:
         started = time.perf_counter()
         outcome = await asyncio.shield(job.outcome)
         self._deps.metrics.hold_seconds.observe(time.perf_counter() - started)
         return self._settled(outcome, "held")
 
-    def _settled(self, outcome: PrefillOutcome, when: str) -> msg.Response:
+    def _settled(self, outcome: PrefillOutcome, when: str) -> msg.Answer:
         if outcome.ok:
             self.context.finish(Outcome.PD)
             return msg.CONTINUE_RESPONSE_HEADERS
         return self._aborted(outcome, when)
 
-    def _aborted(self, outcome: PrefillOutcome, when: str) -> msg.Response:
+    def _aborted(self, outcome: PrefillOutcome, when: str) -> msg.Answer:
         """The one abort path: the decode is cancelled and the client gets the error."""
         reply = prefill_error(outcome)
         self.context.finish(Outcome.of(reply.kind))

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 # What gRPC reads and writes (pdproc.extproc_wire's (de)serializers).
 ServicerContext: TypeAlias = (
-    "grpc.aio.ServicerContext[pb.ProcessingRequest | BodyRequest, msg.Response]"
+    "grpc.aio.ServicerContext[pb.ProcessingRequest | BodyRequest, msg.Answer]"
 )
 
 
@@ -92,10 +92,10 @@ class Stream:
             await self._deliver(answer)
             del answer
 
-    def _internal_error(self) -> msg.Response:
+    def _internal_error(self) -> msg.Answer:
         return self._refuse(ErrorReply(ErrorKind.INTERNAL, "internal error in pdproc"))
 
-    def _refuse(self, reply: ErrorReply) -> msg.Response:
+    def _refuse(self, reply: ErrorReply) -> msg.Answer:
         """Answer in Envoy's place, counted in the request's ledger (a stream that never
         became a request gets one of its own)."""
         if self._processor is not None:
@@ -117,7 +117,7 @@ class Stream:
             processor.context.finish(outcome)
         processor.context.close()
 
-    async def _answer(self, message: pb.ProcessingRequest | BodyRequest) -> msg.Response | Deferred:
+    async def _answer(self, message: pb.ProcessingRequest | BodyRequest) -> msg.Answer | Deferred:
         if isinstance(message, BodyRequest):
             return await self._request_body(message)
         kind = message.WhichOneof("request")
@@ -135,7 +135,7 @@ class Stream:
         log.warning("unexpected ext_proc message %r ignored", kind)
         return msg.CONTINUE_REQUEST_BODY
 
-    def _request_trailers(self, message: pb.ProcessingRequest) -> msg.Response | Deferred:
+    def _request_trailers(self, message: pb.ProcessingRequest) -> msg.Answer | Deferred:
         processor = self._processor
         if processor is None and self.phase is Phase.REQUEST_HEADERS:
             # Single-message mode, trailers and no body: the trailers are the first message,
@@ -149,7 +149,7 @@ class Stream:
         self.phase = Phase.RESPONSE_HEADERS
         return processor.request_trailers()
 
-    async def _request_headers(self, headers: pb.HttpHeaders) -> msg.Response | Deferred:
+    async def _request_headers(self, headers: pb.HttpHeaders) -> msg.Answer | Deferred:
         if self.phase is not Phase.REQUEST_HEADERS or self._processor is not None:
             log.warning("duplicate request headers message; answered without processing")
             return msg.CONTINUE_REQUEST_HEADERS
@@ -158,7 +158,7 @@ class Stream:
         self.phase = Phase.RESPONSE_HEADERS if end else Phase.REQUEST_BODY
         return await processor.request_headers()
 
-    async def _request_body(self, message: BodyRequest) -> msg.Response | Deferred:
+    async def _request_body(self, message: BodyRequest) -> msg.Answer | Deferred:
         processor = self._processor
         if processor is None and self.phase is Phase.REQUEST_HEADERS:
             # Single-message mode (request headers SKIP): the headers came as attributes.
@@ -194,13 +194,13 @@ class Stream:
             if isinstance(value, str)
         }
 
-    def _abort(self, response: msg.Response) -> None:
+    def _abort(self, response: msg.Answer) -> None:
         """End the request now, unasked (the prefill failed before the decode answered)."""
         if self.phase is Phase.RESPONSE or self.phase is Phase.DONE:
             return
         self._in_background(self._write(response))
 
-    async def _deliver(self, answer: msg.Response | Deferred) -> None:
+    async def _deliver(self, answer: msg.Answer | Deferred) -> None:
         if isinstance(answer, Deferred):
             self._in_background(self._write_later(answer))
         else:
@@ -230,7 +230,7 @@ class Stream:
             await held[0]  # the override goes out before the answer it makes room for
         await self._write(answer)
 
-    async def _write(self, response: msg.Response) -> None:
+    async def _write(self, response: msg.Answer) -> None:
         async with self._write_lock:
             if self.phase is Phase.DONE:
                 return

@@ -78,7 +78,7 @@ class OnFailure(Enum):
     will never come)."""
 
     PASS_THROUGH = "pass_through"  # the prefill's status (and JSON message) reach the client
-    DECODE_ALONE = "decode_alone"  # the decode serves the original request alone
+    DECODE_ONLY = "decode_only"  # the decode serves the original request alone
 
 
 class Sequential(Protocol):
@@ -94,7 +94,7 @@ class Sequential(Protocol):
         request: ClientRequest,
         target: HostPort,
         engines: EngineMap | None,
-        busy_ranks: Mapping[int, int],
+        in_flight_by_rank: Mapping[int, int],
     ) -> Legs:
         """The prefill leg (`decode_body` None); BodyError when the body cannot be carried."""
         ...
@@ -126,7 +126,7 @@ class Concurrent:
     uses_engines: bool = False
 
     def plan(
-        self, target: HostPort, engines: EngineMap | None, busy_ranks: Mapping[int, int]
+        self, target: HostPort, engines: EngineMap | None, in_flight_by_rank: Mapping[int, int]
     ) -> Plan:
         raise NotImplementedError
 

@@ -21,13 +21,13 @@ RANK_HEADER = "x-data-parallel-rank"
 
 
 def pick_rank(
-    engines: EngineMap, in_flight: Mapping[int, int], rng: random.Random | None = None
+    engines: EngineMap, in_flight_by_rank: Mapping[int, int], rng: random.Random | None = None
 ) -> tuple[int, str]:
     """Choose the (dp_rank, engine_id) for one request: the rank with the fewest prefills in
     flight from this processor, ties broken at random so replicas don't all pile onto rank 0.
     """
-    fewest = min(in_flight.get(rank, 0) for rank in engines)
-    candidates = [rank for rank in engines if in_flight.get(rank, 0) == fewest]
+    fewest = min(in_flight_by_rank.get(rank, 0) for rank in engines)
+    candidates = [rank for rank in engines if in_flight_by_rank.get(rank, 0) == fewest]
     rank = candidates[0] if len(candidates) == 1 else (rng or random).choice(candidates)
     return rank, engines[rank]
 
@@ -69,10 +69,10 @@ class Mooncake(Concurrent):
         return target.url(self.bootstrap_port)
 
     def plan(
-        self, target: HostPort, engines: EngineMap | None, busy_ranks: Mapping[int, int]
+        self, target: HostPort, engines: EngineMap | None, in_flight_by_rank: Mapping[int, int]
     ) -> Plan:
         assert engines is not None, "Mooncake needs the prefill pod's engine map"
-        rank, engine_id = pick_rank(engines, busy_ranks)
+        rank, engine_id = pick_rank(engines, in_flight_by_rank)
         transfer_id = new_transfer_id()
         return Plan(
             prefill_params=prefill_params(transfer_id),

@@ -192,7 +192,7 @@ class NixlV2:
         request: ClientRequest,
         target: HostPort,
         engines: EngineMap | None,
-        busy_ranks: Mapping[int, int],
+        in_flight_by_rank: Mapping[int, int],
     ) -> Legs:
         headers = {REQUEST_ID_HEADER: request.request_id} if request.request_id else {}
         return Legs(
@@ -213,4 +213,4 @@ class NixlV2:
     def on_failure(self, status: int | None) -> OnFailure:
         if status is not None and 400 <= status <= 451:
             return OnFailure.PASS_THROUGH  # the request's own fault: the client sees why
-        return OnFailure.DECODE_ALONE
+        return OnFailure.DECODE_ONLY

@@ -29,7 +29,7 @@ class SGLang(Concurrent):
         self.bootstrap_port = bootstrap_port
 
     def plan(
-        self, target: HostPort, engines: EngineMap | None, busy_ranks: Mapping[int, int]
+        self, target: HostPort, engines: EngineMap | None, in_flight_by_rank: Mapping[int, int]
     ) -> Plan:
         room = new_room()
         return Plan(

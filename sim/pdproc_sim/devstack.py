@@ -260,8 +260,10 @@ def start_pdproc(
         chosen_metrics = metrics or HostPort(host, free_port(host))
         argv = [*console_script("pdproc", "pdproc.cli"), "serve", "--listen", str(chosen)]
         # One process unless `args` asks for more (later flags win): the stack's numbers
-        # and metrics are one process's.
-        argv += ["--metrics-listen", str(chosen_metrics), "--workers", "1", *args]
+        # and metrics are one process's. PDPROC_STACK_WORKERS runs a whole suite under
+        # several, to check its metrics, caches and breakers hold across processes too.
+        workers = os.environ.get("PDPROC_STACK_WORKERS", "1")
+        argv += ["--metrics-listen", str(chosen_metrics), "--workers", workers, *args]
         proc = spawn(name, argv, workdir, env=env)
         metrics_url = chosen_metrics.url()
         try:

@@ -224,7 +224,7 @@ def response_headers(status: str = "200") -> pb.HttpHeaders:
     )
 
 
-def wire(answer: msg.Response) -> pb.ProcessingResponse:
+def wire(answer: msg.Answer) -> pb.ProcessingResponse:
     """An answer as Envoy reads it: serialised by pdproc's serializer, parsed by protobuf."""
     return pb.ProcessingResponse.FromString(write_response(answer))
 
@@ -255,7 +255,7 @@ class FakeCall:
         # As gRPC hands it to pdproc: through pdproc's own deserializer.
         return read_request(message.SerializeToString())
 
-    async def write(self, response: msg.Response) -> None:
+    async def write(self, response: msg.Answer) -> None:
         if self.fail_writes is not None:
             raise self.fail_writes
         # As Envoy reads it: serialised by pdproc's serializer, parsed by protobuf.
@@ -280,11 +280,11 @@ def both_legs(
     request: ClientRequest,
     target: HostPort,
     engines: EngineMap | None,
-    busy_ranks: Mapping[int, int],
+    in_flight_by_rank: Mapping[int, int],
 ) -> Legs:
     """Both legs of a concurrent connector's request, built as the processor builds them
     for a body it holds whole: the plan, the decode leg, then the prefill leg."""
-    plan = connector.plan(target, engines, busy_ranks)
+    plan = connector.plan(target, engines, in_flight_by_rank)
     return connector.prefill_leg(request, plan, connector.decode_leg(request, plan))
 
 

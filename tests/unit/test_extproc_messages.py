@@ -16,17 +16,17 @@ from pdproc.extproc_wire import write_response
 from pdproc.targets import PREFILL_HEADER
 
 
-def wire(answer: msg.Response) -> pb.ProcessingResponse:
+def wire(answer: msg.Answer) -> pb.ProcessingResponse:
     """The answer as Envoy reads it."""
     return pb.ProcessingResponse.FromString(write_response(answer))
 
 
-def set_headers(response: msg.Response, part: str) -> dict[str, bytes]:
+def set_headers(response: msg.Answer, part: str) -> dict[str, bytes]:
     common = getattr(wire(response), part).response
     return {h.header.key: h.header.raw_value for h in common.header_mutation.set_headers}
 
 
-def checked(response: msg.Response) -> bool:
+def checked(response: msg.Answer) -> bool:
     fields = wire(response).dynamic_metadata.fields
     return (
         msg.METADATA_NAMESPACE in fields

@@ -133,9 +133,9 @@ def test_side_channels_are_normalised() -> None:
     [
         (400, OnFailure.PASS_THROUGH),
         (451, OnFailure.PASS_THROUGH),
-        (452, OnFailure.DECODE_ALONE),
-        (500, OnFailure.DECODE_ALONE),
-        (None, OnFailure.DECODE_ALONE),
+        (452, OnFailure.DECODE_ONLY),
+        (500, OnFailure.DECODE_ONLY),
+        (None, OnFailure.DECODE_ONLY),
     ],
 )
 def test_what_a_failed_prefill_means(status: int | None, meaning: OnFailure) -> None:

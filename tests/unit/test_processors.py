@@ -71,13 +71,13 @@ def sequential(w: World, **kw: Any) -> SequentialPair:
 
 
 def status(answer: Any) -> int:
-    assert isinstance(answer, msg.Response)
+    assert isinstance(answer, msg.Answer)
     assert answer.HasField("immediate_response")
     return int(answer.immediate_response.status.code)
 
 
 def rewritten(answer: Any) -> dict[str, Any]:
-    assert isinstance(answer, msg.Response)
+    assert isinstance(answer, msg.Answer)
     data: dict[str, Any] = orjson.loads(wire(answer).request_body.response.body_mutation.body)
     return data
 
@@ -448,7 +448,7 @@ async def test_a_large_body_streams_on_and_its_tail_carries_the_decode_fields() 
     assert on is msg.CONTINUE_REQUEST_BODY  # the head goes on unchanged
     assert world.budget.held == len(first.body)
     tail = await processor.request_body(last)
-    assert isinstance(tail, msg.Response)
+    assert isinstance(tail, msg.Answer)
     # The last chunk is replaced by the held-back bytes, the decode's fields spliced in.
     decode = orjson.loads(first.body + wire(tail).request_body.response.body_mutation.body)
     assert (
@@ -494,7 +494,7 @@ async def test_a_body_stays_counted_until_the_prefill_pod_has_it() -> None:
     assert await processor.request_headers() is msg.STREAMED_HEADERS
     first, last = chunks()
     await processor.request_body(first)
-    assert isinstance(await processor.request_body(last), msg.Response)
+    assert isinstance(await processor.request_body(last), msg.Answer)
     assert world.budget.held == len(first.body) + len(last.body)  # sent on, not to the pod
     sent = world.launcher.job.body_sent
     assert sent is not None
@@ -506,7 +506,7 @@ async def test_a_body_stays_counted_until_the_prefill_pod_has_it() -> None:
 async def test_a_buffered_body_stays_counted_until_the_prefill_pod_has_it(world: World) -> None:
     world.launcher.sends_at_once = False
     answer = await concurrent(world).request_body(body())
-    assert isinstance(answer, msg.Response)
+    assert isinstance(answer, msg.Answer)
     assert world.budget.held == len(CHAT_BYTES)
     sent = world.launcher.job.body_sent
     assert sent is not None
@@ -585,7 +585,7 @@ async def test_a_streamed_body_with_decode_only_policy_ends_without_fields() -> 
     first, last = chunks()
     await processor.request_body(first)
     tail = await processor.request_body(last)
-    assert isinstance(tail, msg.Response)
+    assert isinstance(tail, msg.Answer)
     assert wire(tail).request_body.response.body_mutation.body == last.body  # no fields spliced
     assert world.counted.only is Outcome.DECODE_ONLY
 
