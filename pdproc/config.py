@@ -4,7 +4,7 @@ A field of `Settings` is the whole declaration of a setting: its name is the YAM
 with dashes, the flag (`prefill_timeout` -> `--prefill-timeout`); `PDPROC_<NAME>` is its
 environment variable; its metadata carries the help text, the parser of one textual value
 and, for repeatable settings, how the parsed items combine. The CLI, the environment, the
-YAML file, the defaults and README's settings table are all derived from these fields.
+YAML file, the defaults and docs/settings.md's settings table are all derived from these fields.
 
 `EnvoyConfigSettings` declares `pdproc envoy-config`'s flags the same way (flags only). The
 ones that must agree with the processor (body size, the ext_proc message timeouts, the P/D
@@ -576,7 +576,7 @@ def declared(command: type[Any] = Settings) -> tuple[Declared, ...]:
 
 
 def settings_table(settings: Iterable[Declared] | None = None) -> str:
-    """README's settings table (a test keeps README current)."""
+    """docs/settings.md's settings table (a test keeps it current)."""
     rows = ["| flag | environment | YAML key | default | what it does |", "|---|---|---|---|---|"]
     for s in settings or declared():
         envs = ", ".join(f"`{name}`" for name in s.envs)

@@ -12,7 +12,7 @@ own virtualenv; a missing tool is an error, never a skip):
               replacements, components applied); the rendered objects are checked again.
   3. refs     on each rendered set (deploycheck/checks.py): selectors, ports, references,
               pdproc's settings against the gateway's and the drain budget, environment
-              variable names against README.md's settings table, Pod Security "restricted",
+              variable names against docs/settings.md's settings table, Pod Security "restricted",
               the endpoint picker's flags and RBAC against its pinned release, NetworkPolicy,
               monitoring, placeholders.
   4. envoy    `envoy --mode validate` on the Envoy configs (deploy/compose/envoy.yaml,
@@ -297,22 +297,22 @@ def _validate_gateway_model(
     envoy_validate(envoy, config, f"{doc.where} (on an Istio gateway model)", report)
 
 
-# ------------------------------------------------------------------------------ README
+# ------------------------------------------------------------------------------ docs
 
 
 def settings_env_names(readme: Path) -> frozenset[str]:
-    """pdproc's environment variables: the generated settings table in README.md."""
+    """pdproc's environment variables: the generated settings table in docs/settings.md."""
     text = readme.read_text("utf-8")
     match = re.search(r"<!-- settings-table.*?-->(.*?)<!-- end settings-table -->", text, re.S)
     if not match:
-        raise ValueError("README.md has no <!-- settings-table --> section")
+        raise ValueError("it has no <!-- settings-table --> section")
     names: set[str] = set()
     for line in match.group(1).splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 2 and cells[0].startswith("`--"):
             names |= set(re.findall(r"`([A-Z][A-Z0-9_]*)`", cells[1]))
     if not names:
-        raise ValueError("README.md's settings table lists no environment variables")
+        raise ValueError("its settings table lists no environment variables")
     return frozenset(names)
 
 
@@ -654,9 +654,9 @@ def _start(args: argparse.Namespace) -> Run:
     deploy = repo / "deploy"
     report = Report()
     try:
-        env_names = settings_env_names(repo / "README.md")
+        env_names = settings_env_names(repo / "docs" / "settings.md")
     except (OSError, ValueError) as exc:
-        report.error("README.md", str(exc))
+        report.error("docs/settings.md", str(exc))
         env_names = frozenset()
     run = Run(
         repo=repo,
@@ -664,7 +664,7 @@ def _start(args: argparse.Namespace) -> Run:
         core=CoreSchemas(),
         crds=CrdSchemas(deploy / "schemas"),
         env_names=env_names,
-        pdproc_metrics=pdproc_metric_names(repo / "README.md"),
+        pdproc_metrics=pdproc_metric_names(repo / "docs" / "observability.md"),
         epp=json.loads((deploy / "schemas" / "epp.json").read_text("utf-8")),
         kubectl=find_tool(args.kubectl, "kubectl"),
         envoy=find_tool(args.envoy, "envoy"),

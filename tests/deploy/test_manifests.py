@@ -18,8 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "validate-deploy.sh"
 VALIDATOR = REPO / "deploy" / "tools" / "validate.py"
-# What the validator reads besides deploy/ (README.md: pdproc's settings table and metrics).
-COPIED = ("Dockerfile", "docker-compose.yaml", "README.md")
+# What the validator reads besides deploy/ (docs/: pdproc's settings table and metrics table).
+COPIED = ("Dockerfile", "docker-compose.yaml", "docs/settings.md", "docs/observability.md")
 
 
 def venv() -> Path:
@@ -132,7 +132,7 @@ MUTATIONS = [
         "gateway-name: inference-gw",
         "selects Gateway 'inference-gw', which is not in this set",
     ),
-    # --- pdproc's settings: names (README's settings table), values, budgets
+    # --- pdproc's settings: names (docs/settings.md's settings table), values, budgets
     Mutation(
         "env-name-in-a-patch",
         "deploy/llm-d/common/kustomization.yaml",
@@ -385,6 +385,7 @@ MUTATIONS = [
 
 def copy_repo(dest: Path) -> None:
     shutil.copytree(REPO / "deploy", dest / "deploy")
+    (dest / "docs").mkdir()
     for name in COPIED:
         shutil.copy2(REPO / name, dest / name)
     lua = REPO / "pdproc" / "envoy_config"

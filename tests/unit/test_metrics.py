@@ -82,8 +82,8 @@ def test_prefill_result_of_an_http_status(status: int, result: PrefillResult) ->
     assert PrefillResult.of_status(status) is result
 
 
-# The label values as dashboards, alerts and the README's metrics table spell them, written
-# out here (not derived from the enums) so that a renamed, dropped or added value fails.
+# The label values as dashboards, alerts and docs/observability.md's metrics table spell them,
+# written out here (not derived from the enums) so that a renamed, dropped or added value fails.
 REQUEST_OUTCOME_VALUES = [
     "pd",
     "passthrough",

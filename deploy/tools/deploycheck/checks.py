@@ -69,8 +69,8 @@ def quantity(value: Any) -> float:
 class Context:
     """What the checks know beyond the rendered objects."""
 
-    env_names: frozenset[str]  # pdproc's environment variables (README settings table)
-    metric_names: frozenset[str]  # pdproc's metrics (README metrics table)
+    env_names: frozenset[str]  # pdproc's environment variables (docs/settings.md)
+    metric_names: frozenset[str]  # pdproc's metrics (docs/observability.md)
     epp: dict[str, Any]  # deploy/schemas/epp.json
     site: bool  # --overlay mode: placeholders and unpinned images are errors
 
@@ -332,7 +332,7 @@ def _pdproc_env_names(
         report.error(
             w.where,
             f"env {name} is not a pdproc setting{hint}: pdproc ignores it "
-            "(the settings table in README.md lists them)",
+            "(the settings table in docs/settings.md lists them)",
         )
 
 
