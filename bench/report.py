@@ -364,7 +364,7 @@ def _long_prompt_targets(versus: list[dict[str, Any]], opts: Options) -> list[di
             )
         for other, level, key, limit, op, what in rules:
             cell = index.get(("pdproc", other, size, level))
-            out.append(_verdict(cell, f"issue 22: {what}", size, level, key, limit, op))
+            out.append(_verdict(cell, f"long-prompt target: {what}", size, level, key, limit, op))
     return out
 
 
