@@ -64,6 +64,9 @@ TLS_ARGS = ("--tls-reload", "0.5", "--tls-max-connection-age", "2")
 LOAD_MIN, LOAD_AFTER, LOAD_MAX = 200, 50, 2000
 # How long a rotation may take to reach Envoy (a bound on a hang, not a measurement).
 ROTATED_S = 30.0
+# Envoy's count of streams that had to wait for a new connection to pdproc (the ext_proc
+# pool's; the health check has a connection of its own).
+POOLED = "cluster.pdproc.upstream_rq_pending_total"
 # Envoy's count of streams that waited for a connection that then failed.
 EJECTED = "cluster.pdproc.upstream_rq_pending_failure_eject"
 # HTTP/2's client preface and an empty SETTINGS frame: a server that accepted the handshake
@@ -347,7 +350,11 @@ def rotate_server_under_load(rig: Rig, pki: Pki, workers: int) -> dict[str, Any]
         rig.secret.swap(secret_files(pki.server_b, pki.ca_a))
         eventually(lambda: reloads(rig) >= workers, ROTATED_S, what="every worker reloaded")
         eventually(lambda: rig.sigalgs("ecdsa") > 0, ROTATED_S, what="envoy re-handshaken")
-        rsa_after_reload = rig.sigalgs("rsa")
+        rsa_after_reload, pooled = rig.sigalgs("rsa"), rig.envoy_stat(POOLED)
+        # The health check's connection may have been the one re-handshaken: go on until the
+        # ext_proc streams' pool has had to open a connection since (served by the new
+        # certificate: no RSA signature is counted after this point, checked below).
+        eventually(lambda: rig.envoy_stat(POOLED) > pooled, ROTATED_S, what="pool reconnected")
         new_cert_at = len(load.statuses)
         load.settle()
         statuses = load.wait()
@@ -376,6 +383,7 @@ def rotate_server_under_load(rig: Rig, pki: Pki, workers: int) -> dict[str, Any]
         "requests": len(statuses),
         "rotated_at": rotated_at,
         "envoy_new_cert_at": new_cert_at,
+        "envoy_pool_connections": rig.envoy_stat(POOLED),
         "envoy_handshakes": rig.envoy_stat("cluster.pdproc.ssl.handshake") - handshakes_before,
         "envoy_rsa": rig.sigalgs("rsa"),
         "envoy_ecdsa": rig.sigalgs("ecdsa"),
