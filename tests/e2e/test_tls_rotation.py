@@ -67,6 +67,7 @@ ROTATED_S = 30.0
 # Envoy's count of streams that had to wait for a new connection to pdproc (the ext_proc
 # pool's; the health check has a connection of its own).
 POOLED = "cluster.pdproc.upstream_rq_pending_total"
+HANDSHAKES = "cluster.pdproc.ssl.handshake"
 # Envoy's count of streams that waited for a connection that then failed.
 EJECTED = "cluster.pdproc.upstream_rq_pending_failure_eject"
 # HTTP/2's client preface and an empty SETTINGS frame: a server that accepted the handshake
@@ -337,58 +338,87 @@ def failed_open(rig: Rig) -> int:
     return rig.envoy_stat("http.ingress.ext_proc.failure_mode_allowed")
 
 
+@dataclass
+class Before:
+    """Counters read before a rotation."""
+
+    pd: float
+    failed_open: int
+    handshakes: int
+
+    @classmethod
+    def read(cls, rig: Rig) -> Before:
+        return cls(pd_served(rig), failed_open(rig), rig.envoy_stat(HANDSHAKES))
+
+
 def rotate_server_under_load(rig: Rig, pki: Pki, workers: int) -> dict[str, Any]:
     """The server certificate rotated (CA-A RSA -> CA-B ECDSA) while a load runs; the
     numbers seen, for the report."""
     assert handshake(rig.pdproc, pki, pki.client_a).serial == pki.server_a.serial
-    pd_before, open_before = pd_served(rig), failed_open(rig)
     assert rig.sigalgs("ecdsa") == 0  # nothing but the RSA certificate served so far
-    handshakes_before = rig.envoy_stat("cluster.pdproc.ssl.handshake")
+    before = Before.read(rig)
     with Load(rig) as load:
         eventually(lambda: len(load.statuses) >= LOAD_MIN // 4, ROTATED_S, what="load started")
         rotated_at = len(load.statuses)
         rig.secret.swap(secret_files(pki.server_b, pki.ca_a))
-        eventually(lambda: reloads(rig) >= workers, ROTATED_S, what="every worker reloaded")
-        eventually(lambda: rig.sigalgs("ecdsa") > 0, ROTATED_S, what="envoy re-handshaken")
-        rsa_after_reload, pooled = rig.sigalgs("rsa"), rig.envoy_stat(POOLED)
-        # The health check's connection may have been the one re-handshaken: go on until the
-        # ext_proc streams' pool has had to open a connection since (served by the new
-        # certificate: no RSA signature is counted after this point, checked below).
-        eventually(lambda: rig.envoy_stat(POOLED) > pooled, ROTATED_S, what="pool reconnected")
+        rsa_after_reload = await_new_certificate_in_envoy(rig, workers)
         new_cert_at = len(load.statuses)
         load.settle()
         statuses = load.wait()
     assert load.errors == []
     assert statuses == [200] * len(statuses)
     assert rotated_at < new_cert_at < len(statuses)  # the rotation happened mid-load
-    # Every request P/D: pdproc counted each as `pd`, the decode got kv_transfer_params,
-    # and Envoy opened every stream (none failed open to the decode alone).
-    assert eventually(lambda: pd_served(rig) - pd_before >= len(statuses), 10)
-    assert pd_served(rig) - pd_before == len(statuses)
-    answered = eventually(lambda: (a := decode_answers(rig)) and len(a) >= len(statuses) and a)
-    assert len(answered) == len(statuses)
-    assert all("kv_transfer_params" in r["body"] for r in answered)
-    assert failed_open(rig) == open_before
-    assert rig.envoy_stat("http.ingress.ext_proc.streams_failed") == 0
+    assert_all_pd(rig, before, len(statuses))
     # After the reload every handshake gets the new certificate: Envoy's (no RSA signature
-    # since; ECDSA ones counted) and fresh ones of the test's.
+    # since) and fresh ones of the test's.
     assert rig.sigalgs("rsa") == rsa_after_reload
-    assert reloads(rig) == workers
-    served = rig.metric("pdproc_tls_certificate_expiry_timestamp_seconds", certificate="served")
-    assert served == pki.server_b.not_after
-    fresh = [handshake(rig.pdproc, pki, pki.client_a) for _ in range(8 * workers)]
-    assert {h.serial for h in fresh} == {pki.server_b.serial}
-    assert all(h.accepted for h in fresh)
+    assert_serving(rig, pki, pki.server_b, workers)
     return {
         "requests": len(statuses),
         "rotated_at": rotated_at,
         "envoy_new_cert_at": new_cert_at,
         "envoy_pool_connections": rig.envoy_stat(POOLED),
-        "envoy_handshakes": rig.envoy_stat("cluster.pdproc.ssl.handshake") - handshakes_before,
+        "envoy_handshakes": rig.envoy_stat(HANDSHAKES) - before.handshakes,
         "envoy_rsa": rig.sigalgs("rsa"),
         "envoy_ecdsa": rig.sigalgs("ecdsa"),
         "reloads": reloads(rig),
     }
+
+
+def await_new_certificate_in_envoy(rig: Rig, workers: int) -> int:
+    """Wait until every worker reloaded and Envoy's ext_proc pool has opened a connection
+    since; Envoy's count of RSA signatures then (none may follow)."""
+    eventually(lambda: reloads(rig) >= workers, ROTATED_S, what="every worker reloaded")
+    eventually(lambda: rig.sigalgs("ecdsa") > 0, ROTATED_S, what="envoy re-handshaken")
+    rsa_after_reload, pooled = rig.sigalgs("rsa"), rig.envoy_stat(POOLED)
+    # The health check's connection may have been the one re-handshaken: go on until the
+    # ext_proc streams' pool has had to open a connection since.
+    eventually(lambda: rig.envoy_stat(POOLED) > pooled, ROTATED_S, what="pool reconnected")
+    return rsa_after_reload
+
+
+def assert_all_pd(rig: Rig, before: Before, sent: int) -> None:
+    """Every request P/D: pdproc counted each as `pd`, the decode got kv_transfer_params for
+    each, and Envoy opened every stream (none failed open to the decode alone)."""
+    assert eventually(lambda: pd_served(rig) - before.pd >= sent, 10)
+    assert pd_served(rig) - before.pd == sent
+    answered = eventually(lambda: (a := decode_answers(rig)) and len(a) >= sent and a)
+    assert len(answered) == sent
+    assert all("kv_transfer_params" in r["body"] for r in answered)
+    assert failed_open(rig) == before.failed_open
+    assert rig.envoy_stat("http.ingress.ext_proc.streams_failed") == 0
+
+
+def assert_serving(rig: Rig, pki: Pki, leaf: Leaf, workers: int) -> None:
+    """Every worker reloaded once and serves `leaf`: the counter sums the workers, the expiry
+    gauge is the minimum over them, and fresh handshakes (the kernel picks the worker) all
+    get it."""
+    assert reloads(rig) == workers
+    served = rig.metric("pdproc_tls_certificate_expiry_timestamp_seconds", certificate="served")
+    assert served == leaf.not_after
+    fresh = [handshake(rig.pdproc, pki, pki.client_a) for _ in range(8 * workers)]
+    assert {h.serial for h in fresh} == {leaf.serial}
+    assert all(h.accepted for h in fresh)
 
 
 def test_server_certificate_rotated_mid_load(sim: SimPair, pki: Pki) -> None:
@@ -414,6 +444,56 @@ def test_server_certificate_rotated_in_every_worker(sim: SimPair, pki: Pki) -> N
     print("server rotation, two workers:", seen)
 
 
+class Held:
+    """A request through Envoy whose prefill the simulated pod holds until released."""
+
+    def __init__(self, rig: Rig) -> None:
+        self.rig = rig
+        self.responses: list[httpx.Response] = []
+        self._thread = threading.Thread(target=self._send, name="held-request")
+
+    def __enter__(self) -> Held:
+        self.rig.sim_post("prefill", "/sim/faults", {"prefill_hang": True})
+        self._thread.start()
+        in_flight = lambda: [p for p in self.rig.records("prefill") if p["status"] is None]  # noqa: E731
+        eventually(in_flight, what="the held prefill")
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.rig.sim_post("prefill", "/sim/faults", {"clear": True})
+        self._thread.join(60)
+        assert not self._thread.is_alive(), "the held request did not finish once released"
+
+    def in_flight(self) -> bool:
+        return self._thread.is_alive()
+
+    def _send(self) -> None:
+        with httpx.Client() as client:
+            self.responses.append(self.rig.post(client))
+
+
+def await_refusal(rig: Rig, client: httpx.Client, failed_before: int) -> list[int]:
+    """Probe through Envoy until a new stream is refused (Envoy fails it open); the probes'
+    statuses. A probe names no prefill pod, so one that still reached pdproc is not held."""
+    probes = []
+
+    def refused() -> bool:
+        probes.append(rig.post(client, prefill=False).status_code)
+        return failed_open(rig) > failed_before
+
+    eventually(refused, ROTATED_S, every_s=0.2, what="new streams refused")
+    return probes
+
+
+def assert_refused(rig: Rig, pki: Pki, ejected_before: int) -> None:
+    """The CA-A client certificate is refused, a CA-B one accepted; in Envoy a stream waited
+    for a new connection, which failed, while the held one stays on the old connection."""
+    assert not handshake(rig.pdproc, pki, pki.client_a).accepted
+    assert handshake(rig.pdproc, pki, pki.client_b).accepted
+    assert rig.envoy_stat(EJECTED) > ejected_before
+    assert rig.envoy_stat("cluster.pdproc.upstream_rq_active") == 1
+
+
 def test_client_ca_rotated_away_stops_new_streams_not_those_in_flight(
     sim: SimPair, pki: Pki
 ) -> None:
@@ -422,56 +502,27 @@ def test_client_ca_rotated_away_stops_new_streams_not_those_in_flight(
         assert handshake(r.pdproc, pki, pki.client_a).accepted
         assert not handshake(r.pdproc, pki, pki.client_b).accepted
         assert r.post(client).status_code == 200  # Envoy's connection is up, P/D works
-        pd_before, open_before = pd_served(r), failed_open(r)
-        ejected_before = r.envoy_stat(EJECTED)
-        # A request held in flight: its prefill waits until the fault is lifted.
-        r.sim_post("prefill", "/sim/faults", {"prefill_hang": True})
-        held: list[httpx.Response] = []
-
-        def hold() -> None:
-            with httpx.Client() as own:
-                held.append(r.post(own))
-
-        holder = threading.Thread(target=hold, name="held-request")
-        holder.start()
-        try:
-            in_flight = lambda: [p for p in r.records("prefill") if p["status"] is None]  # noqa: E731
-            eventually(in_flight, what="the held prefill")
+        before, ejected_before = Before.read(r), r.envoy_stat(EJECTED)
+        with Held(r) as held:
             r.secret.swap(secret_files(pki.server_a, pki.ca_b))
             eventually(lambda: reloads(r) >= 1, ROTATED_S, what="the client CA reloaded")
-            # New streams: Envoy's connection is asked to go away, the new one is refused,
-            # and Envoy fails the request open (the decode serves it alone). A probe names
-            # no prefill pod, so one that still reached pdproc is not held.
-            probes = []
-
-            def refused() -> bool:
-                probes.append(r.post(client, prefill=False).status_code)
-                return failed_open(r) > open_before
-
-            eventually(refused, ROTATED_S, every_s=0.2, what="new streams refused")
+            # Envoy's connection is asked to go away, the new one is refused, and Envoy
+            # fails the request open (the decode serves it alone).
+            probes = await_refusal(r, client, before.failed_open)
             assert set(probes) == {200}
-            assert not handshake(r.pdproc, pki, pki.client_a).accepted
-            assert handshake(r.pdproc, pki, pki.client_b).accepted
-            # Envoy's view: a stream waited for a new connection, which failed, while the
-            # held one stays active on the old connection.
-            assert r.envoy_stat(EJECTED) > ejected_before
-            assert r.envoy_stat("cluster.pdproc.upstream_rq_active") == 1
-            assert holder.is_alive()  # still held: the refusals came while it was in flight
-        finally:
-            r.sim_post("prefill", "/sim/faults", {"clear": True})
-            holder.join(60)
-        assert not holder.is_alive()
+            assert_refused(r, pki, ejected_before)
+            assert held.in_flight()  # the refusals came while it was in flight
         # The stream in flight on the old connection finished, as P/D.
-        assert [h.status_code for h in held] == [200]
-        assert eventually(lambda: pd_served(r) > pd_before, 10)
-        assert pd_served(r) == pd_before + 1
+        assert [h.status_code for h in held.responses] == [200]
+        assert eventually(lambda: pd_served(r) > before.pd, 10)
+        assert pd_served(r) == before.pd + 1
         pd_answers = [a for a in decode_answers(r) if "kv_transfer_params" in a["body"]]
         assert len(pd_answers) == 2  # the first request and the held one
         print(
             "client CA rotation:",
             {
                 "probes": len(probes),
-                "failed_open": failed_open(r) - open_before,
+                "failed_open": failed_open(r) - before.failed_open,
                 "ejected": r.envoy_stat(EJECTED) - ejected_before,
                 "connect_fail": r.envoy_stat("cluster.pdproc.upstream_cx_connect_fail"),
                 "reloads": reloads(r),
