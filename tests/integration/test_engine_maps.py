@@ -13,8 +13,9 @@ import httpx
 import pytest
 from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
 
-from pdproc.engine_maps import MIN_REFETCH_S, EngineMaps, Siblings
+from pdproc.engine_maps import MIN_REFETCH_S, EngineMaps
 from pdproc.metrics import Metrics
+from pdproc.multiprocess.siblings import Siblings
 from pdproc.pod_http import new_session
 from pdproc.targets import HostPort
 
