@@ -17,7 +17,8 @@ import logging
 import os
 import time
 
-log = logging.getLogger(__name__)
+# The logger these lines have always had (log queries select on it), not the module's name.
+log = logging.getLogger("pdproc.engine_maps")
 
 # File times come from the kernel's coarse clock (a tick behind time.time()): a map queried
 # this long after another worker's mark is still taken as older than the mark.

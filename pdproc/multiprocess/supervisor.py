@@ -25,7 +25,8 @@ from pdproc.config import Settings
 from pdproc.multiprocess.budgets import worker_settings
 from pdproc.multiprocess.sharing import MULTIPROC_ENV
 
-log = logging.getLogger(__name__)
+# The logger these lines have always had (log queries select on it), not the module's name.
+log = logging.getLogger("pdproc.workers")
 
 
 def worker_count(settings: Settings) -> int:
