@@ -32,7 +32,7 @@ import ssl
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,6 @@ import trustme
 from cryptography import x509
 from pdproc_sim.devstack import (
     Envoy,
-    Process,
     SimPair,
     scrape_metric,
     start_envoy,
@@ -175,7 +174,6 @@ class Rig:
     pdproc: HostPort
     metrics: HostPort
     envoy: Envoy
-    processes: list[Process] = field(default_factory=list)
 
     def metric(self, name: str, **labels: str) -> float:
         return scrape_metric(self.metrics, name, **labels)
@@ -244,7 +242,7 @@ def rig(
             workdir, [sim.decode], [addr], extra_options=tls, config_hook=config_hook
         )
         cleanup.callback(envoy.process.stop)
-        yield Rig(sim, secret, addr, metrics, envoy, [proc, envoy.process])
+        yield Rig(sim, secret, addr, metrics, envoy)
 
 
 @dataclass
