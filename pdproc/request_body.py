@@ -230,8 +230,8 @@ def _translated(buffer: ClientBytes | msgspec.Raw) -> ClientBytes:
 
 def values_bound(value: msgspec.Raw) -> int:
     """At least the number of JSON values in a member, keys included: its commas, colons and
-    opening brackets plus one (those inside strings count too). Counted in C, a chunk at a time (no copy of the
-    member)."""
+    opening brackets plus one (those inside strings count too). Counted in C, a chunk at a
+    time (no copy of the member)."""
     view = memoryview(value)
     total = 1
     for start in range(0, len(view), _COUNTED_CHUNK):
