@@ -100,7 +100,7 @@ test-installed:
 	  $(TPY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # scripts/validate-deploy.sh runs inside the suite (tests/deploy/test_manifests.py).
-# Then the P/D, edge-security and mTLS suites and the config validation run again on the
+# Then the P/D, edge-security, HTTP/2 framing and mTLS suites and the config validation run again on the
 # oldest supported Envoy (what Envoy Gateway v1.6 ships); `make test-envoy-matrix` runs the
 # whole end-to-end suite on every supported release.
 test: lint protos-check promtool test-venv
@@ -118,7 +118,8 @@ promtool:
 
 OLDEST_ENVOY ?= 1.36.4
 OLDEST_ENVOY_TESTS ?= tests/e2e/test_pd_through_envoy.py tests/e2e/test_edge_security.py \
-	tests/e2e/test_mtls.py tests/e2e/test_envoy_config.py tests/e2e/test_streamed_bodies.py
+	tests/e2e/test_mtls.py tests/e2e/test_envoy_config.py tests/e2e/test_streamed_bodies.py \
+	tests/security/test_h2_framing.py tests/e2e/test_tls_rotation.py
 # The matrix runs' logs stay in the checkout (build/), where `make clean` finds them.
 INSTALLED_ENV = PYTHON=$(TPY) PDPROC_TEST_INSTALLED=1 PDPROC_DIST="$(abspath $(DIST))" \
 	MATRIX_LOGS="$(CURDIR)/build/envoy-matrix-logs"

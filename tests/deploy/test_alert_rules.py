@@ -188,6 +188,22 @@ CASES = [
         [prefills("2xx", 30, 40), prefills("4xx", 30, 40)],
         30,
     ),
+    # Clients that leave mid-prefill (a chat UI's stop button): pdproc cancels their prefills;
+    # no pod failed.
+    Case(
+        "prefill-cancelled-by-clients-quiet",
+        "PdprocPrefillFailures",
+        [prefills("2xx", 30, 40), prefills("cancelled", 30, 40)],
+        30,
+    ),
+    # pdproc out of its own connection slots fails the requests too: it fires.
+    Case(
+        "prefill-exhausted-fires",
+        "PdprocPrefillFailures",
+        [prefills("2xx", 30, 40), prefills("exhausted", 30, 40)],
+        30,
+        [{"severity": "warning", "namespace": NS}],
+    ),
     Case(
         "breaker-open-fires",
         "PdprocPrefillBreakerOpen",

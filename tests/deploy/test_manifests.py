@@ -46,6 +46,39 @@ class Mutation:
 
 
 MUTATIONS = [
+    # --- the connection to pdproc queues at most 64 KiB (one client's tiny HTTP/2 frames)
+    Mutation(
+        "istio-pdproc-cluster-buffer-missing",
+        "deploy/istio/envoyfilter.yaml",
+        "  - applyTo: CLUSTER\n    match:\n      context: GATEWAY\n      cluster:\n"
+        '        name: "outbound|9002||pdproc.inference.svc.cluster.local"\n    patch:\n'
+        "      operation: MERGE\n      value:\n        per_connection_buffer_limit_bytes: 65536\n",
+        "",
+        "no CLUSTER MERGE of per_connection_buffer_limit_bytes",
+    ),
+    Mutation(
+        "istio-pdproc-cluster-buffer-too-big",
+        "deploy/istio/envoyfilter.yaml",
+        "per_connection_buffer_limit_bytes: 65536",
+        "per_connection_buffer_limit_bytes: 1048576",
+        "per_connection_buffer_limit_bytes 1048576 is above 65536",
+    ),
+    Mutation(
+        "istio-cluster-patch-names-no-cluster",
+        "deploy/llm-d/istio/envoyfilter.yaml",
+        '        name: "outbound|9002||pdproc.inference.svc.cluster.local"\n    patch:\n'
+        "      operation: MERGE\n      value:\n        per_connection_buffer_limit_bytes: 65536",
+        '        name: "outbound|9002||pdproc.other.svc.cluster.local"\n    patch:\n'
+        "      operation: MERGE\n      value:\n        per_connection_buffer_limit_bytes: 65536",
+        "no cluster 'outbound|9002||pdproc.other.svc.cluster.local' on the gateway",
+    ),
+    Mutation(
+        "envoy-gateway-pdproc-buffer-missing",
+        "deploy/envoy-gateway/envoyextensionpolicy.yaml",
+        "      connection:\n        bufferLimit: 64Ki\n",
+        "",
+        "backendSettings.connection.bufferLimit is 1 MiB (default)",
+    ),
     # --- schemas: core kinds, vendored upstream CRDs, CEL rules
     Mutation(
         "core-unknown-field",

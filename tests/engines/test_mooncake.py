@@ -43,6 +43,8 @@ HANG_PROBE_S = 10.0
 # Every request right after a prefill restart gets an answer or a clear error within this.
 RESTART_BOUND_S = 60.0
 RESTART_REQUESTS = 6
+# A bound on a hang: the longest breaker cooldown (10 s) + one probe (5 s) + slack for the box.
+BREAKER_BACK_BOUND_S = 30.0
 # A front whose engine-id maps outlive any restart: it shows what the default
 # --engine-cache-ttl (below a real engine's restart time) prevents.
 LONG_TTL = ("--engine-cache-ttl", "3600")
@@ -284,6 +286,17 @@ def test_prefill_restart_with_new_engine_id_loses_no_request(
         "mooncake, the requests right after the restart: "
         + ", ".join(f"{a.status} in {a.seconds:.3f} s" for a in answers)
     )
+    # The default-workers front saw the pod die: its breaker is open, and no client request
+    # is let through as a probe. Its background probe closes it within one longest cooldown
+    # (10 s by default) plus the probe's own bound (--bootstrap-timeout, 5 s).
+    default = fronts["default-workers"]
+    eventually(
+        lambda: default.metric("pdproc_prefill_breaker_open") == 0,
+        BREAKER_BACK_BOUND_S,
+        every_s=0.25,
+        what="the default-workers front's probe closes the restarted pod's breaker",
+    )
+    assert default.metric("pdproc_prefill_probes_total", result="up") >= 1
     # and P/D works again through both fronts (the long-ttl front is the next test's)
     for name in ("default-workers", "two-replicas"):
         assert_serves_as_local(prefill, fronts[name], path, name)

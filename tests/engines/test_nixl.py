@@ -88,10 +88,24 @@ def test_disaggregated_with_kv_moved(
     assert answer.status == 200, answer.body
     assert answer.text == local.text
     moved = decode.metric(KV_SOURCE, source="external_kv_transfer") - kv_before
-    assert moved == prompt_tokens(local)
-    assert decode.metric(KV_SOURCE, source="local_compute") == computed_before
+    computed = decode.metric(KV_SOURCE, source="local_compute") - computed_before
+    # Where the decode's prompt tokens came from, and what pdproc counted, say which side
+    # failed when this does.
+    seen = (
+        f"decode: {moved} moved, {computed} computed; pdproc: {front.outcomes()}; "
+        f"the decode's log on KV: {kv_log_lines(decode)}"
+    )
+    assert moved == prompt_tokens(local), seen
+    assert computed == 0, seen
     assert decode.metric(NIXL_BYTES + "_sum") > bytes_before
     assert front.metric("pdproc_requests_total", outcome="pd") == pd_before + 1
+
+
+def kv_log_lines(engine: Engine, keep: int = 12) -> list[str]:
+    """The engine log's last warnings and errors (a failed KV read names itself there)."""
+    lines = engine.log_path.read_text(errors="replace").splitlines()
+    wanted = [line[:300] for line in lines if " WARNING " in line or " ERROR " in line]
+    return wanted[-keep:]
 
 
 def test_client_kv_transfer_params_refused(

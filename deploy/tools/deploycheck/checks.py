@@ -630,6 +630,18 @@ def _pdproc_ext_proc(
             f"extProc[{i}] pdproc must be the last processor (after the endpoint "
             "picker, whose headers it reads)",
         )
+    _pdproc_backend_buffer(pol, i, ext, report)
+
+
+def _pdproc_backend_buffer(pol: Doc, i: int, ext: dict[str, Any], report: Report) -> None:
+    limit = ((ext.get("backendSettings") or {}).get("connection") or {}).get("bufferLimit")
+    if limit is None or quantity(limit) > PDPROC_CLUSTER_BUFFER_LIMIT:
+        report.error(
+            pol.where,
+            f"extProc[{i}] backendSettings.connection.bufferLimit is "
+            f"{limit or '1 MiB (default)'}: above 64Ki one client's tiny HTTP/2 frames can "
+            "flood the connection to pdproc and reset every other stream on it",
+        )
 
 
 def _client_traffic_policy(pol: Doc, settings: dict[str, float], report: Report) -> None:
@@ -744,18 +756,56 @@ def _envoy_filters(
 ) -> None:
     settings = _pdproc_settings(docs)
     for ef in (d for d in docs if d.kind == "EnvoyFilter"):
+        cluster_limits: dict[str, int] = {}
+        pdproc_clusters: list[str] = []
         for patch in ef.spec.get("configPatches", []):
             value = patch.get("patch", {}).get("value", {})
             typed = value.get("typed_config", {})
             if typed.get("@type", "").endswith("ext_proc.v3.ExternalProcessor"):
                 _istio_ext_proc(ef, typed, settings, index, report)
+                pdproc_clusters.append(_grpc_cluster(typed))
             limit = value.get("per_connection_buffer_limit_bytes")
-            if limit is not None and int(limit) < settings["max_body"]:
+            if limit is None:
+                continue
+            if patch.get("applyTo") == "CLUSTER":
+                name = ((patch.get("match") or {}).get("cluster") or {}).get("name", "")
+                cluster_limits[name] = int(limit)
+            elif int(limit) < settings["max_body"]:
                 report.error(
                     ef.where,
                     f"per_connection_buffer_limit_bytes {limit} is below PDPROC_MAX_BODY_BYTES "
                     f"({settings['max_body']:g})",
                 )
+        for cluster in pdproc_clusters:
+            _pdproc_cluster_buffer(ef, cluster, cluster_limits.get(cluster), report)
+
+
+# Past this much queued for pdproc on its one HTTP/2 connection, Envoy stops reading from the
+# clients feeding it: a client's tiny DATA frames then reach pdproc coalesced instead of
+# tripping Envoy's outbound flood guard, which would reset every other stream on it.
+PDPROC_CLUSTER_BUFFER_LIMIT = 65536
+
+
+def _grpc_cluster(typed: dict[str, Any]) -> str:
+    return str(typed.get("grpc_service", {}).get("envoy_grpc", {}).get("cluster_name", ""))
+
+
+def _pdproc_cluster_buffer(ef: Doc, cluster: str, limit: int | None, report: Report) -> None:
+    if limit is None:
+        report.error(
+            ef.where,
+            f"no CLUSTER MERGE of per_connection_buffer_limit_bytes for {cluster!r}: Envoy's "
+            "1 MiB default lets one client's tiny HTTP/2 frames flood the connection to pdproc "
+            "and reset every other stream on it",
+        )
+    elif limit > PDPROC_CLUSTER_BUFFER_LIMIT:
+        report.error(
+            ef.where,
+            f"{cluster!r} per_connection_buffer_limit_bytes {limit} is above "
+            f"{PDPROC_CLUSTER_BUFFER_LIMIT}: tiny HTTP/2 frames can flood the connection to pdproc",
+        )
+    else:
+        report.ok("istio: pdproc's cluster queues at most 64 KiB per connection")
 
 
 def _istio_ext_proc(

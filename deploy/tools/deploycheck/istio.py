@@ -165,9 +165,30 @@ def proto_merge(base: dict[str, Any], patch: dict[str, Any]) -> None:
 
 def apply_patches(doc: dict[str, Any], inference_pool: bool) -> GatewayModel:
     model = gateway_model(inference_pool)
-    for i, patch in enumerate(doc["spec"].get("configPatches", [])):
-        _apply_patch(model, patch, f"configPatches[{i}]", inference_pool)
+    patches = list(enumerate(doc["spec"].get("configPatches", [])))
+    # Istio patches the clusters it built from Services whatever the patch order; in the
+    # model a cluster exists once a filter patch names it, so cluster patches go last.
+    for i, patch in patches:
+        if patch.get("applyTo") != "CLUSTER":
+            _apply_patch(model, patch, f"configPatches[{i}]", inference_pool)
+    for i, patch in patches:
+        if patch.get("applyTo") == "CLUSTER":
+            _apply_cluster_patch(model, patch, f"configPatches[{i}]")
     return model
+
+
+def _apply_cluster_patch(model: GatewayModel, patch: dict[str, Any], where: str) -> None:
+    """A CLUSTER MERGE into a cluster matched by its exact name. A name no cluster has is an
+    error: Istio would skip the patch without a word."""
+    match = patch.get("match") or {}
+    if match.get("context", "ANY") not in ("GATEWAY", "ANY"):
+        raise PatchError(f"{where}: context {match.get('context')} never applies to a gateway")
+    name = (match.get("cluster") or {}).get("name")
+    if patch["patch"]["operation"] != "MERGE" or not name:
+        raise PatchError(f"{where}: the validator models only MERGE into a cluster matched by name")
+    if name not in model.clusters:
+        raise PatchError(f"{where}: no cluster {name!r} on the gateway (no filter calls it)")
+    proto_merge(model.clusters[name], patch["patch"].get("value") or {})
 
 
 def _apply_patch(
