@@ -132,6 +132,7 @@ class Server:
             timeout_s=s.bootstrap_timeout,
             engines=engines if connector.uses_engines else None,
         )
+        unproven.health = prober.health
         service = ExtProcService(
             s,
             connector,

@@ -28,6 +28,8 @@ from .test_target_state import silent_listeners
 
 THRESHOLD = 3  # --breaker-failures
 TARPITS = 8  # ports that accept and never answer, each named once
+# Longer than the test: no unproven port is let through as the breaker's half-open probe.
+COOLDOWN_S = 120.0
 
 
 @pytest.fixture
@@ -81,16 +83,23 @@ async def assert_not_blamed(pd: Pd, pod: HostilePod, member: HostilePod) -> None
     assert await pd.series("pdproc_prefill_breaker_open") == []
 
 
-async def assert_a_new_pod_is_the_probe(pd: Pd, fresh: str) -> None:
-    """A real pod on that host that has never served waits for the breaker's probe: the
-    first such request after the cooldown is let through, and its 2xx closes it."""
-    assert (await pd.play(CHAT_BYTES, prefill=fresh)).status == 503
+async def assert_a_new_pod_passes_its_health_check(pd: Pd, fresh: HostilePod, tarpit: int) -> None:
+    """A real pod on that host that has never served is refused once, and that refusal has
+    its health endpoint asked in the background: it answers, so it is served from then on,
+    long before the breaker's cooldown (COOLDOWN_S) would let any unproven port through. The
+    host's breaker stays open: the tarpit port is still refused without a connection."""
+    assert (await pd.play(CHAT_BYTES, prefill=fresh.address)).status == 503
 
     async def served() -> bool:
-        return (await pd.play(CHAT_BYTES, prefill=fresh)).disaggregated
+        return (await pd.play(CHAT_BYTES, prefill=fresh.address)).disaggregated
 
     await eventually_async(served, timeout_s=SECONDS, every_s=0.2)
-    assert pd.sample("pdproc_unproven_port_breakers_open") == 0
+    assert fresh.hits["other:/health"] >= 1, dict(fresh.hits)
+    assert pd.sample("pdproc_unproven_port_breakers_open") == 1
+    tried = prefills(pd)
+    again = await name_at_once(pd, [tarpit])
+    assert {(o.status, o.error_kind) for o in again} == {(503, "prefill_unavailable")}
+    assert prefills(pd) == tried
 
 
 async def test_rotating_tarpit_ports_open_the_hosts_unproven_breaker_only(
@@ -100,7 +109,7 @@ async def test_rotating_tarpit_ports_open_the_hosts_unproven_breaker_only(
         pod,
         prefill=(member.host_port(),),
         breaker_failures=THRESHOLD,
-        breaker_cooldown=1.0,
+        breaker_cooldown=COOLDOWN_S,
         prefill_timeout=1.0,
         max_named_host_connections=TARPITS,
     )
@@ -110,7 +119,4 @@ async def test_rotating_tarpit_ports_open_the_hosts_unproven_breaker_only(
         ports = [sock.getsockname()[1] for sock in listeners]
         await rotate(pd, ports)
         await assert_not_blamed(pd, pod, member)
-        await assert_a_new_pod_is_the_probe(pd, other_pod.address)
-        # Closed again: a tarpit port is tried again (and counts anew).
-        again = await name_at_once(pd, ports[:1])
-        assert {o.status for o in again} == {504}
+        await assert_a_new_pod_passes_its_health_check(pd, other_pod, ports[0])

@@ -91,3 +91,40 @@ def test_state_is_bounded() -> None:
     opened = sum(1 if is_open else -1 for _, is_open in changes)
     assert opened == 4  # the forgotten ones were closed with their gauge
     assert sum(not unproven.unproven(HostPort(f"10.2.0.{h}", 8000)) for h in range(10)) == 4
+
+
+async def test_a_refused_real_pod_is_proven_by_its_health_check_despite_hanging_checks() -> None:
+    """Tarpit ports fill the host's health checks and hang; once they have run past
+    PREEMPT_AFTER_S a real pod's refusal takes the oldest one's place, its check answers and
+    it is let through, while the host's breaker stays open for the tarpits."""
+    import asyncio
+
+    from pdproc import unproven as module
+
+    unproven, clock, _ = ports()
+    hang = asyncio.Event()
+    asked: list[HostPort] = []
+
+    async def health(target: HostPort) -> Verdict:
+        asked.append(target)
+        if target != REAL:
+            await hang.wait()  # accepts, never answers
+        return Verdict.HEALTHY
+
+    unproven.health = health
+    for i in range(3):
+        unproven.record(tarpit(i), Verdict.FAILED)
+    tarpits = [tarpit(100 + i) for i in range(module.CHECKS_PER_HOST)]
+    for target in tarpits:
+        assert not unproven.allow(target)
+    assert not unproven.allow(REAL)  # every check is young: none is given up yet
+    await asyncio.sleep(0)
+    assert REAL not in asked
+    clock.now += module.PREEMPT_AFTER_S + 0.01
+    assert not unproven.allow(REAL)  # refused, and its check replaces the oldest
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert REAL in asked
+    assert unproven.allow(REAL)
+    assert not unproven.allow(tarpit(200))
+    hang.set()
