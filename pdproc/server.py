@@ -122,7 +122,9 @@ class Server:
             log_bodies=s.log_bodies,
             on_outcome=self._prefill_ended(pod_feedback(breakers, engines, unproven)),
             slots=Slots(s.max_prefill_connections, s.max_named_host_connections),
-            named_host=lambda target: None if is_member(target) else target.host,
+            # Only never-served header-named ports share a host's bound: a pod that has
+            # answered (or a pool member) may use as many connections as its traffic needs.
+            named_host=lambda target: target.host if unproven.unproven(target) else None,
         )
         connector = connector_for(s)
         prober = Prober(
