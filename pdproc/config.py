@@ -343,9 +343,10 @@ class Settings:
         _count,
     )
     max_named_host_connections: int = _setting(
-        64,
-        "Of those, the most one host named by a request header (not a pool member) may "
-        "take; past it that host's prefills are `exhausted` at once.",
+        256,
+        "Of those, the most the ports of one host that a request header names and that "
+        "never answered a prefill 2xx (not pool members) may take; past it their prefills "
+        "are `exhausted` at once.",
         _count,
     )
     max_targets: int = _setting(

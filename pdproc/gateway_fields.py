@@ -11,10 +11,17 @@ KV_PARAMS = "kv_transfer_params"
 
 # vLLM's `kv_transfer_params` (read by every OpenAI-style route of vLLM 0.32: chat, completions,
 # responses, /v1/messages, /invocations, /inference/v1/generate, their /render variants,
-# /cohere/v2/chat); SGLang's bootstrap address and room, its pairing key and the prefill DP
-# rank holding the KV (GenerateReqInput and the OpenAI request models of SGLang 0.5). Refused
-# whichever connector runs: one rule everywhere, and a vLLM server, which ignores SGLang's
-# fields, loses nothing.
+# /cohere/v2/chat), and what SGLang's disaggregation reads from a request body. SGLang's
+# OpenAI request models (`ChatCompletionRequest`, `CompletionRequest` in
+# python/sglang/srt/entrypoints/openai/protocol.py, passed on by serving_chat.py and
+# serving_completions.py) carry the bootstrap address and room and the prefill DP rank
+# holding the KV; its native /generate request (`GenerateReqInput`,
+# python/sglang/srt/managers/io_struct.py, "for disaggregated inference") also the pairing
+# key, the decode's TP size (which shapes the KV the prefill sends: its router sets it) and
+# `kv_router_hint`, a router's pointer to the peer (a control endpoint) holding a reusable
+# prefix, which SGLang's HiCache storage backend then reads KV from. Refused whichever
+# connector runs: one rule everywhere, and a vLLM server, which ignores SGLang's fields, loses
+# nothing.
 GATEWAY_FIELDS = (
     KV_PARAMS,
     # vLLM's encoder-cache transfer (encoder outputs pulled from another instance): the same
@@ -25,6 +32,8 @@ GATEWAY_FIELDS = (
     "bootstrap_room",
     "bootstrap_pair_key",
     "disagg_prefill_dp_rank",
+    "decode_tp_size",
+    "kv_router_hint",
 )
 
 # Objects whose own members vLLM also reads the fields from, as paths from the body: vLLM
@@ -32,8 +41,9 @@ GATEWAY_FIELDS = (
 # the token-in route takes `sampling_params.extra_args` as it is; the engine's request reads
 # `kv_transfer_params` from `extra_args`, so a client's own there would steer the decode
 # whenever the top-level field is absent (every decode-only path). A client's gateway field
-# in any of these is refused as at the top level. (SGLang reads its bootstrap fields at the
-# top level only.)
+# in any of these is refused as at the top level. (SGLang reads its fields at the top level
+# only: its `sampling_params` struct, python/sglang/srt/sampling/sampling_params.py, has none
+# of them, and `custom_params` reaches only custom logit processors.)
 NESTED_CARRIERS = (("vllm_xargs",), ("sampling_params", "extra_args"))
 
 # SGLang (with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES) reads the same fields from these

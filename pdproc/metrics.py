@@ -177,6 +177,20 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.unproven_open = Gauge(
+            "pdproc_unproven_port_breakers_open",
+            "Hosts whose header-named ports that never answered 2xx are failing: such ports "
+            "of them are refused without a connection (pool members and proven ports are not).",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.unproven_refusals = Counter(
+            "pdproc_unproven_port_refusals",
+            "P/D requests whose header-named target never answered 2xx, refused (or served "
+            "decode-only) without a connection because its host's unproven-ports breaker is "
+            "open.",
+            registry=r,
+        )
         self.bodies_bytes = Gauge(
             "pdproc_request_body_bytes_in_flight",
             "Request-body bytes held by streams being processed (bounded by --max-inflight-bytes).",
@@ -242,6 +256,12 @@ class Metrics:
                 self.prefills_in_flight.remove(label)
                 return
         self.prefills_in_flight.labels(label).dec()
+
+    def unproven_changed(self, host: str, is_open: bool) -> None:
+        if is_open:
+            self.unproven_open.inc()
+        else:
+            self.unproven_open.dec()
 
     def breaker_changed(self, target: HostPort, is_open: bool) -> None:
         """Breaker states are bounded by --max-targets already; a closed one has no series."""

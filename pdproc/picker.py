@@ -36,6 +36,12 @@ class Unavailable:
 
 
 @dataclass(frozen=True, slots=True)
+class Unproven(Unavailable):
+    """A header-named target that never answered, on a host whose such targets are failing
+    (pdproc.unproven): handled as Unavailable, and counted apart."""
+
+
+@dataclass(frozen=True, slots=True)
 class Forbidden:
     reason: str
 
@@ -50,7 +56,7 @@ class NoTarget:
     """Nobody names a prefill pod: the decode serves the request alone."""
 
 
-Pick = Chosen | Unavailable | Forbidden | BadRequest | NoTarget
+Pick = Chosen | Unproven | Unavailable | Forbidden | BadRequest | NoTarget
 Tie = Callable[[Sequence[HostPort]], HostPort]
 
 
@@ -92,6 +98,7 @@ def pick_target(
     breaker_allows: Callable[[HostPort], bool],
     load: Callable[[HostPort], int],
     tie: Tie = random.choice,
+    unproven_allows: Callable[[HostPort], bool] = lambda target: True,
 ) -> Pick:
     try:
         named = target_from_header([header]) if header is not None else None
@@ -110,4 +117,9 @@ def pick_target(
         return Forbidden(f"prefill target {named} is not allowed")
     if not breaker_allows(named):
         return Unavailable(f"prefill target {named} is failing (circuit open)")
+    if not unproven_allows(named):
+        return Unproven(
+            f"prefill target {named} has never answered, and ports of {named.url_host} that "
+            "never answered are failing (circuit open)"
+        )
     return Chosen(named)

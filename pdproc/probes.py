@@ -78,6 +78,10 @@ class Prober:
             return exc.verdict
         return Verdict.HEALTHY
 
+    async def health(self, target: HostPort) -> Verdict:
+        """What the pod's health endpoint alone says (bounded by --bootstrap-timeout)."""
+        return await self._health(target)
+
     async def _health(self, target: HostPort) -> Verdict:
         try:
             async with self._client.get(

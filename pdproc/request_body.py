@@ -14,15 +14,24 @@ key (which the engines, like msgspec, read as its last value) reaches the prefil
 members that are not plain ASCII strings are decoded in full once, in C, to check them
 (nesting, UTF-8, number range); the decoded values are dropped at once. That decode holds
 every value of a member as a Python object, so first a bound on what it may hold is counted
-in C over the member's bytes (commas and opening brackets): a member of millions of tiny
-values (`[0,0,0,...]`, `[{},{},...]`) is refused before it is decoded, at the cost of a
-byte count, and never blocks the event loop or grows pdproc's memory beyond its bytes.
+in C over the member's bytes (commas, colons and opening brackets): a member of millions of
+tiny values (`[0,0,0,...]`, `[{},{},...]`, `{"k0":0,"k1":0,...}`) is refused before it is
+decoded, at the cost of a byte count, and never blocks the event loop or grows pdproc's
+memory beyond its bytes.
+
+The top-level members themselves are bounded (MAX_MEMBERS) before the body is decoded, for
+the same reason: a body of hundreds of thousands of distinct keys would otherwise be built
+into a dict of as many Python strings before its size could be seen. They are counted by
+msgspec, in C, over a copy of the body whose objects are read as arrays, and the count stops
+at the bound (`_refuse_wide_object`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, TypeAlias
 
 import msgspec
@@ -50,9 +59,10 @@ MAX_NESTING = 254
 # The engines hold integers in 64 bits (vLLM's seed is an int64): larger ones are refused
 # here as before, one rule for both legs.
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # orjson's encoder refuses exactly beyond these
-# At most this many JSON values in one top-level member (counted as its commas plus its
-# opening brackets, those inside strings too, so an over-estimate): a token-id prompt of a
-# million tokens fits; the decode it bounds costs at most ~100 ms and a few tens of MiB.
+# At most this many JSON values in one top-level member, keys included (counted as its
+# commas, colons and opening brackets, those inside strings too, so an over-estimate): a
+# token-id prompt of a million tokens fits; the decode it bounds costs at most ~100 ms and a
+# few tens of MiB (objects are decoded as arrays for the check, no dict per object).
 MAX_VALUES = 1 << 20
 # At most this many top-level members: the engines' request models have about a hundred.
 MAX_MEMBERS = 4096
@@ -64,6 +74,7 @@ _ENCODER = msgspec.json.Encoder()
 def parse_body(raw: ClientBytes) -> Members:
     """The client's request as a JSON object's members, or BodyError with a message for the
     client."""
+    _refuse_wide_object(raw)
     try:
         members = _MEMBERS.decode(raw)
     except msgspec.ValidationError:
@@ -72,8 +83,6 @@ def parse_body(raw: ClientBytes) -> Members:
         raise BodyError(f"invalid JSON body: {exc}") from None
     except RecursionError:
         raise BodyError("request body is nested too deeply") from None
-    if len(members) > MAX_MEMBERS:
-        raise BodyError(f"request body has more than {MAX_MEMBERS} top-level fields")
     for name in GATEWAY_FIELDS:
         if name in members:
             # Only the gateway may point a decode pod at a KV source.
@@ -91,11 +100,50 @@ def parse_body(raw: ClientBytes) -> Members:
     return members
 
 
+_OBJECT_START = re.compile(rb"[ \t\r\n]*\{")
+# Each object becomes an array of its keys and values, strings staying strings (none of
+# these bytes is special inside one): the body's members are half its top-level values.
+_OBJECTS_AS_ARRAYS = bytes.maketrans(b"{}:", b"[],")
+
+
+def _refuse_wide_object(raw: ClientBytes | msgspec.Raw, name: str = "") -> None:
+    """BodyError if the body (or its member `name`) is an object of more than MAX_MEMBERS
+    members (duplicate keys counted), found in C at the cost of one copy of its bytes and
+    of the members up to the bound, never of a Python object per member."""
+    if _count(raw, b":") <= MAX_MEMBERS:
+        return  # every member has one: the usual body needs no count
+    if not _OBJECT_START.match(memoryview(raw)):
+        return  # not an object: the decode says what it is
+    try:
+        _top_level_values().decode(_translated(raw))
+    except msgspec.ValidationError:
+        what = f"{name} has more than {MAX_MEMBERS} fields" if name else None
+        raise BodyError(
+            what or f"request body has more than {MAX_MEMBERS} top-level fields"
+        ) from None
+    except msgspec.DecodeError:
+        return  # invalid JSON: the decode's message says where
+
+
+@cache
+def _top_level_values() -> msgspec.json.Decoder[Any]:
+    """A decoder of an array that refuses it at its (2 * MAX_MEMBERS + 1)th value, without
+    reading further (a struct of that many fields, array-like, no unknown ones allowed).
+    Built at first use: the struct takes tens of milliseconds to define."""
+    fields = [(f"v{i}", msgspec.Raw, msgspec.Raw(b"0")) for i in range(2 * MAX_MEMBERS)]
+    values = msgspec.defstruct(
+        "TopLevelValues", fields, array_like=True, forbid_unknown_fields=True, gc=False
+    )
+    return msgspec.json.Decoder(values)
+
+
 def _refuse_nested_fields(members: Members, path: tuple[str, ...]) -> None:
     """BodyError if the object at `path` (from the body) has a gateway field."""
     current: Members | None = members
-    for name in path:
+    for depth, name in enumerate(path, 1):
         value = current.get(name) if current is not None else None
+        if value is not None:
+            _refuse_wide_object(value, ".".join(path[:depth]))
         current = _as_object(value) if value is not None else None
     if current is None:
         return
@@ -129,7 +177,7 @@ def _check_value(value: msgspec.Raw) -> None:
     if value_kind(value) in ("object", "array") and values_bound(value) > MAX_VALUES:
         raise BodyError(f"a request body field holds more than {MAX_VALUES} JSON values")
     try:
-        decoded = msgspec.json.decode(value)
+        decoded = msgspec.json.decode(_objects_as_arrays(value))
     except msgspec.DecodeError as exc:
         raise BodyError(f"invalid JSON body: {exc}") from None
     except RecursionError:
@@ -148,15 +196,47 @@ def _check_value(value: msgspec.Raw) -> None:
         ) from None
 
 
+def _objects_as_arrays(value: msgspec.Raw) -> msgspec.Raw | ClientBytes:
+    """A member to check, its objects read as arrays of keys and values: the same strings,
+    numbers and nesting, without a dict of Python strings per object (hundreds of
+    thousands of distinct keys would cost a few hundred bytes each). parse_body's first
+    decode proved the keys are strings."""
+    if value_kind(value) == "string" or not _count(value, b":"):
+        return value  # no object with members (the usual prompt, token ids)
+    return _translated(value)
+
+
+def _count(buffer: ClientBytes | msgspec.Raw, byte: bytes) -> int:
+    """How often `byte` occurs, counted in C a chunk at a time (no copy of the whole)."""
+    if not isinstance(buffer, msgspec.Raw):
+        return buffer.count(byte)
+    view = memoryview(buffer)
+    return sum(
+        bytes(view[start : start + _COUNTED_CHUNK]).count(byte)
+        for start in range(0, len(view), _COUNTED_CHUNK)
+    )
+
+
+def _translated(buffer: ClientBytes | msgspec.Raw) -> ClientBytes:
+    """The bytes with every object turned into an array (`_OBJECTS_AS_ARRAYS`), in C."""
+    if not isinstance(buffer, msgspec.Raw):
+        return buffer.translate(_OBJECTS_AS_ARRAYS)
+    view = memoryview(buffer)
+    return b"".join(
+        bytes(view[start : start + _COUNTED_CHUNK]).translate(_OBJECTS_AS_ARRAYS)
+        for start in range(0, len(view), _COUNTED_CHUNK)
+    )
+
+
 def values_bound(value: msgspec.Raw) -> int:
-    """At least the number of JSON values in a member: its commas and opening brackets plus
-    one (those inside strings count too). Counted in C, a chunk at a time (no copy of the
-    member)."""
+    """At least the number of JSON values in a member, keys included: its commas, colons and
+    opening brackets plus one (those inside strings count too). Counted in C, a chunk at a
+    time (no copy of the member)."""
     view = memoryview(value)
     total = 1
     for start in range(0, len(view), _COUNTED_CHUNK):
         chunk = bytes(view[start : start + _COUNTED_CHUNK])
-        total += chunk.count(b",") + chunk.count(b"[") + chunk.count(b"{")
+        total += chunk.count(b",") + chunk.count(b"[") + chunk.count(b"{") + chunk.count(b":")
     return total
 
 

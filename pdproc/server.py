@@ -39,6 +39,7 @@ from pdproc.slots import Slots
 from pdproc.targets import AllowList, HostPort
 from pdproc.telemetry import Tracing
 from pdproc.tls_reload import TlsFiles, TlsReloader
+from pdproc.unproven import UnprovenPorts
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +107,24 @@ class Server:
             max_targets=s.max_targets,
             probed=is_member,
         )
+        unproven = UnprovenPorts(
+            s.breaker_failures,
+            s.breaker_cooldown,
+            is_member=is_member,
+            max_targets=s.max_targets,
+            on_change=self.metrics.unproven_changed,
+        )
         launcher = PrefillLauncher(
             client,
             self.metrics,
             timeout_s=s.prefill_timeout,
             tracing=self.tracing,
             log_bodies=s.log_bodies,
-            on_outcome=self._prefill_ended(pod_feedback(breakers, engines)),
+            on_outcome=self._prefill_ended(pod_feedback(breakers, engines, unproven)),
             slots=Slots(s.max_prefill_connections, s.max_named_host_connections),
-            named_host=lambda target: None if is_member(target) else target.host,
+            # Only never-served header-named ports share a host's bound: a pod that has
+            # answered (or a pool member) may use as many connections as its traffic needs.
+            named_host=lambda target: target.host if unproven.unproven(target) else None,
         )
         connector = connector_for(s)
         prober = Prober(
@@ -124,6 +134,7 @@ class Server:
             timeout_s=s.bootstrap_timeout,
             engines=engines if connector.uses_engines else None,
         )
+        unproven.health = prober.health
         service = ExtProcService(
             s,
             connector,
@@ -133,9 +144,10 @@ class Server:
             self.metrics,
             self.tracing,
             dns_pool=self._dns,
+            unproven=unproven,
         )
         loop = asyncio.get_running_loop()
-        self._breaker_sweep = loop.create_task(_sweep(breakers))
+        self._breaker_sweep = loop.create_task(_sweep(breakers, unproven))
         self._prober = loop.create_task(prober.run())
         return service
 
@@ -363,11 +375,12 @@ def _membership(static: tuple[HostPort, ...], dns: DnsPool | None) -> Callable[[
     return is_member
 
 
-async def _sweep(breakers: CircuitBreakers) -> None:
+async def _sweep(breakers: CircuitBreakers, unproven: UnprovenPorts) -> None:
     """Close open breakers nobody asks about any more (their gauge with them)."""
     while True:
         await asyncio.sleep(SWEEP_S)
         breakers.forget_unasked()
+        unproven.forget_unasked()
 
 
 def connector_for(settings: Settings) -> Connector:

@@ -33,6 +33,7 @@ from pdproc.picker import (
     Pick,
     Rotation,
     Unavailable,
+    Unproven,
     choose_member,
     pick_target,
 )
@@ -55,6 +56,7 @@ from pdproc.request_ids import is_plain, new_request_id
 from pdproc.stream import ServicerContext, Stream
 from pdproc.targets import PREFILL_HEADER, HostPort
 from pdproc.telemetry import Tracing
+from pdproc.unproven import UnprovenPorts
 
 log = logging.getLogger(__name__)
 REQUEST_ID = "x-request-id"
@@ -71,6 +73,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         metrics: Metrics,
         tracing: Tracing | None = None,
         dns_pool: DnsPool | None = None,
+        unproven: UnprovenPorts | None = None,
     ) -> None:
         self.settings = settings
         self.connector = connector
@@ -81,6 +84,14 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.tracing = tracing or Tracing(None)
         self.dns_pool = dns_pool
         self._static_pool = frozenset(settings.prefill)
+        if unproven is None:
+            unproven = UnprovenPorts(
+                settings.breaker_failures,
+                settings.breaker_cooldown,
+                is_member=self.is_pool_member,
+                max_targets=settings.max_targets,
+            )
+        self.unproven = unproven
         self.draining = False  # shutting down: no new prefills, the decode serves alone
         self._outcome_counters: dict[tuple[str, str, str], Any] = {}
         self.load = PodLoad(launcher.in_flight)
@@ -105,7 +116,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             budget=self.budget,
             engines=engines,
             launcher=launcher,
-            pod_failed=breakers.record,
+            pod_failed=self._pod_failed,
             admits=self.admits,
             load=self.load,
             reroute=self.reroute,
@@ -164,7 +175,13 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             breaker_allows=self.breakers.allow,
             load=self.load,
             tie=self._tie,
+            unproven_allows=self.unproven.allow,
         )
+
+    def _pod_failed(self, target: HostPort, verdict: Verdict) -> None:
+        """What a failed bootstrap query says about the target's pod."""
+        self.breakers.record(target, verdict)
+        self.unproven.record(target, verdict)
 
     def reroute(self, tried: Collection[HostPort]) -> HostPort | None:
         """Another usable pool member than those `tried`, for a request whose bootstrap
@@ -180,14 +197,21 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 return self._pair(context, target, abort, from_pool=from_pool)
             case NoTarget():
                 return DecodeOnly(context, self.deps, Outcome.PASSTHROUGH)
+            case Unproven(reason):
+                self.metrics.unproven_refusals.inc()
+                return self._unavailable(context, reason)
             case Unavailable(reason):
-                if self.settings.on_bootstrap_error is BootstrapPolicy.DECODE_ONLY:
-                    return DecodeOnly(context, self.deps, Outcome.DECODE_ONLY, reason)
-                return Rejected(context, ErrorReply(ErrorKind.PREFILL_UNAVAILABLE, reason))
+                return self._unavailable(context, reason)
             case Forbidden(reason):
                 return Rejected(context, ErrorReply(ErrorKind.FORBIDDEN, reason))
             case BadRequest(reason):
                 return Rejected(context, ErrorReply(ErrorKind.BAD_REQUEST, reason))
+
+    def _unavailable(self, context: RequestContext, reason: str) -> RequestProcessor:
+        """No prefill may serve the request now: rejected, or decode-only by the policy."""
+        if self.settings.on_bootstrap_error is BootstrapPolicy.DECODE_ONLY:
+            return DecodeOnly(context, self.deps, Outcome.DECODE_ONLY, reason)
+        return Rejected(context, ErrorReply(ErrorKind.PREFILL_UNAVAILABLE, reason))
 
     def _pair(
         self, context: RequestContext, target: HostPort, abort: Abort, *, from_pool: bool
@@ -267,12 +291,16 @@ def _replace_unplain_request_id(headers: dict[str, str]) -> bool:
     return True
 
 
-def pod_feedback(breakers: CircuitBreakers, engines: EngineMaps) -> OutcomeHook:
+def pod_feedback(
+    breakers: CircuitBreakers, engines: EngineMaps, unproven: UnprovenPorts | None = None
+) -> OutcomeHook:
     """What a prefill's outcome teaches about its pod (the launcher calls it for each)."""
 
     def on_prefill_outcome(job: PrefillJob, outcome: PrefillOutcome) -> None:
         verdict = of_prefill(outcome.outcome)
         breakers.record(job.target, verdict)
+        if unproven is not None:
+            unproven.record(job.target, verdict)
         engines.learn(job.target, verdict)
 
     return on_prefill_outcome

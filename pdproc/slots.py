@@ -4,9 +4,10 @@ targets a request header names.
 A prefill waits for a free connection before its pod's `--prefill-timeout` starts, and a
 wait that outlasts its bound is pdproc's exhaustion (`exhausted`), never the pod's failure:
 a client that names ports which accept and never answer fills pdproc's connections, not a
-healthy pod's record. Targets a header names (any port of an allowed host) share one
-per-host bound that a pool member does not count against, so such a client cannot take
-more than that many of them: past it, its own requests are refused at once.
+healthy pod's record. Targets a header names (any port of an allowed host) that have
+never answered a prefill share one per-host bound that pool members and proven pods do not
+count against, so such a client cannot take more than that many of them: past it, its own
+requests are refused at once, while a real pod serves as many as its traffic needs.
 """
 
 from __future__ import annotations

@@ -2,14 +2,18 @@
 they cost and what other users see meanwhile.
 
     .venv/bin/python scripts/measure_hostile_bodies.py --pdproc up     # pdproc's body check
+    .venv/bin/python scripts/measure_hostile_bodies.py --pdproc up --body distinct-keys --count 1
     .venv/bin/python scripts/measure_hostile_bodies.py --pdproc down   # the kv guard alone
 
-`up`: six 16 MiB wide arrays (`{"model":"m","x":[0,0,...],"y":2**64}`) sent at once while
-one other user sends small P/D chat requests one after another. `down` (pdproc stopped,
-Envoy fails open): six 16 MiB bodies of `[],[],...` ending in a client kv_transfer_params,
-then one 8 MiB deep body, while another user sends GET /v1/models. Prints the attack
-bodies' answers, how many reached the decode, Envoy's ext_proc message timeouts, the CPU
-and peak resident memory of pdproc (up) or Envoy (down), and the other user's latency.
+`up`: six (`--count`) bodies sent at once while one other user sends small P/D chat
+requests one after another; the bodies (`--body`) are 16 MiB wide arrays
+(`{"model":"m","x":[0,0,...],"y":2**64}`), 8 MiB of distinct top-level keys
+(`{"model":"m","k0":0,"k1":0,...}`) or 16 MiB string prompts refused for a 2**64 integer.
+`--count 1` gives one body's cost. `down` (pdproc stopped, Envoy fails open): six 16 MiB
+bodies of `[],[],...` ending in a client kv_transfer_params, then one 8 MiB deep body,
+while another user sends GET /v1/models. Prints the attack bodies' answers, how many
+reached the decode, Envoy's ext_proc message timeouts, the CPU and peak resident memory
+of pdproc (up) or Envoy (down), and the other user's latency.
 
 To measure another version, put its checkout first on PYTHONPATH and run from outside this
 checkout (`git archive <commit> pdproc | tar -x -C /tmp/before; cd /; PYTHONPATH=/tmp/before
@@ -31,6 +35,19 @@ from pdproc_sim.devstack import PeakMemory, Stack, resident_bytes, running_stack
 
 MiB = 1024 * 1024
 CHAT = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
+
+
+def reset_peak(pid: int) -> None:
+    """Reset the kernel's peak resident memory of a process (VmHWM) to its current RSS."""
+    with open(f"/proc/{pid}/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+def kernel_peak(pid: int) -> int:
+    """The process's peak resident memory since `reset_peak` (VmHWM), bytes."""
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
 def cpu_s(pid: int) -> float:
@@ -83,10 +100,19 @@ def attack(stack: Stack, body: bytes) -> int:
     return reply.status_code
 
 
-def bodies(up: bool) -> list[bytes]:
+def up_body(shape: str) -> bytes:
+    if shape == "distinct-keys":
+        keys = b",".join(b'"k%d":0' % i for i in range(8 * MiB // 10))
+        return (b'{"model":"m",' + keys)[: 8 * MiB].rsplit(b",", 1)[0] + b"}"
+    if shape == "string-prompt":
+        prompt = b"x" * (16 * MiB - 60)
+        return b'{"model":"m","prompt":"' + prompt + b'","y":18446744073709551616}'
+    return b'{"model":"m","x":[' + b"0," * (8 * MiB - 40) + b'0],"y":18446744073709551616}'
+
+
+def bodies(up: bool, shape: str, count: int) -> list[bytes]:
     if up:
-        wide = b'{"model":"m","x":[' + b"0," * (8 * MiB - 40) + b'0],"y":18446744073709551616}'
-        return [wide] * 6
+        return [up_body(shape)] * count
     empties = b'{"model":"m","x":[' + b"[]," * (16 * MiB // 3 - 40) + b'[]],"kv_transfer_params":1}'
     deep = b'{"model":"m","x":' + b"[" * (8 * MiB - 64) + b"]" * (8 * MiB - 64) + b"}"
     return [empties] * 6 + [deep]
@@ -103,7 +129,7 @@ def summary(values: list[float]) -> str:
     )
 
 
-def run(up: bool) -> None:
+def run(up: bool, shape: str = "wide-array", count: int = 6) -> None:
     with running_stack(["--dp-ranks", "2"], ["--shutdown-delay", "0"]) as stack:
         if not up:
             stack.pdproc.stop()
@@ -117,7 +143,8 @@ def run(up: bool) -> None:
         stats_before = stack.envoy.stats("http.ingress.ext_proc.")
         rss_before = resident_bytes(watched)
         cpu_before = cpu_s(watched)
-        sent = bodies(up)
+        reset_peak(watched)
+        sent = bodies(up, shape, count)
         with PeakMemory(watched) as peak:
             other = Victim(stack, up)
             time.sleep(1.5)  # it is sending before the attack starts
@@ -125,6 +152,7 @@ def run(up: bool) -> None:
                 statuses = list(pool.map(lambda b: attack(stack, b), sent))
             during = other.stop()
         cpu = cpu_s(watched) - cpu_before
+        hwm = kernel_peak(watched)
         stats = stack.envoy.stats("http.ingress.ext_proc.")
         # Every request the other user sent reached the decode once; the rest are attack bodies.
         decode_rq = stack.envoy.stats("cluster.decode.").get("cluster.decode.upstream_rq_total", 0)
@@ -143,7 +171,9 @@ def run(up: bool) -> None:
         print(
             f"{who}: CPU {cpu:.2f} s for {len(sent)} bodies "
             f"({cpu / len(sent) * 1000:.0f} ms each); "
-            f"RSS {rss_before / MiB:.0f} -> peak {peak.peak / MiB:.0f} MiB"
+            f"RSS {rss_before / MiB:.0f} -> peak {peak.peak / MiB:.0f} MiB sampled, "
+            f"{hwm / MiB:.0f} MiB VmHWM "
+            f"({len(sent[0]) / MiB:.1f} MiB bodies)"
         )
         print(f"other user, before: {summary(baseline)}")
         print(f"other user, during: {summary(during)}")
@@ -152,7 +182,12 @@ def run(up: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pdproc", choices=["up", "down"], default="up")
-    run(parser.parse_args().pdproc == "up")
+    parser.add_argument(
+        "--body", choices=["wide-array", "distinct-keys", "string-prompt"], default="wide-array"
+    )
+    parser.add_argument("--count", type=int, default=6, help="bodies sent at once (up)")
+    args = parser.parse_args()
+    run(args.pdproc == "up", args.body, args.count)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 -- pdproc kv guard: an Envoy Lua filter placed right after the ext_proc filter on every route
 -- that reaches a pod. Only the gateway may put KV transfer fields into a request body: vLLM's
 -- kv_transfer_params and SGLang's bootstrap_host / bootstrap_port / bootstrap_room /
--- bootstrap_pair_key / disagg_prefill_dp_rank tell a decode pod where to pull KV from, so a
--- client's own would aim it at any address. pdproc refuses a client's fields itself and marks
+-- bootstrap_pair_key / disagg_prefill_dp_rank / decode_tp_size / kv_router_hint tell a pod
+-- where to pull KV from (and in what shape), so a client's own would aim it at any address. pdproc refuses a client's fields itself and marks
 -- every body it checked with the dynamic metadata pdproc.body_checked = true. When that mark
 -- is missing (pdproc down, timed out or failed open, a request pdproc let through unchecked,
 -- or a route without pdproc), this guard refuses, with a 400, any body whose top-level JSON
@@ -33,6 +33,8 @@ local GATEWAY_FIELDS = {
   bootstrap_room = true,
   bootstrap_pair_key = true,
   disagg_prefill_dp_rank = true,
+  decode_tp_size = true,
+  kv_router_hint = true,
 }
 -- Objects whose own keys vLLM also reads the fields from (pdproc.gateway_fields.
 -- NESTED_CARRIERS): a top-level key naming the next table is walked one level down.

@@ -328,6 +328,11 @@ GUARD_CASES: dict[str, tuple[bytes, str | None]] = {
         b'{"model":"m","disagg_prefill_dp_rank":1}',
         gateway_only("disagg_prefill_dp_rank"),
     ),
+    "sglang decode tp size": (b'{"model":"m","decode_tp_size":2}', gateway_only("decode_tp_size")),
+    "sglang kv router hint": (
+        b'{"model":"m","kv_router_hint":{"source_control_endpoint":"tcp://10.0.0.9:1"}}',
+        gateway_only("kv_router_hint"),
+    ),
     "duplicate key": (b'{"model":"m","kv_transfer_params":1,"kv_transfer_params":2}', KV_REFUSED),
     "after an escaped quote": (b'{"model":"a\\"","kv_transfer_params":1}', KV_REFUSED),
     "after an escaped backslash": (b'{"model":"a\\\\","kv_transfer_params":1}', KV_REFUSED),

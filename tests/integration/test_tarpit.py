@@ -24,6 +24,7 @@ from .harness import Harness
 PORTS = 8
 HOSTILE = 24
 VICTIMS = 12
+BURST = 6
 
 
 class Tarpit:
@@ -91,3 +92,23 @@ async def test_tarpit_ports_never_get_the_healthy_pool_pod_blamed(
     assert h.service.breakers.allow(pool_pod)
     assert not h.service.breakers.is_open(pool_pod)
     assert h.sample("pdproc_prefill_breaker_open", target=str(pool_pod)) == 0
+
+
+async def test_a_pod_that_answered_is_not_held_to_the_named_host_share(
+    make_harness: Callable[..., Any], prefill: RunningPrefill
+) -> None:
+    """In header mode every pod is header-named. While a pod has never answered, its
+    host's share (2 here) bounds it like a tarpit: of a burst of BURST, some are refused.
+    Once it has answered a prefill 2xx it is a real pod, and a burst of BURST at it (the
+    simulator's prefills take 50 ms, so they overlap) is served whole."""
+    h: Harness = await make_harness(
+        prefill=(), max_prefill_connections=16, max_named_host_connections=2
+    )
+    target = f"127.0.0.1:{prefill.port}"
+    first = await asyncio.gather(*(h.play(prefill=target) for _ in range(BURST)))
+    assert any(a.disaggregated for a in first)
+    assert any(a.status == 503 for a in first), [a.status for a in first]
+    exhausted = h.sample("pdproc_prefills_total", outcome="exhausted")
+    later = await asyncio.gather(*(h.play(prefill=target) for _ in range(BURST)))
+    assert all(a.disaggregated for a in later), [a.status for a in later]
+    assert h.sample("pdproc_prefills_total", outcome="exhausted") == exhausted

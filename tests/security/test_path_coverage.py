@@ -136,6 +136,8 @@ def attack_bodies(canary: Canary) -> dict[str, bytes]:
         "bootstrap_room": 7,
         "bootstrap_pair_key": "k",
         "disagg_prefill_dp_rank": 0,
+        "decode_tp_size": 1,
+        "kv_router_hint": {"source_control_endpoint": f"tcp://127.0.0.1:{canary.port}"},
     }
     assert set(values) == set(GATEWAY_FIELDS)
     # Where vLLM also reads them: the OpenAI routes' vllm_xargs, the token-in route's

@@ -114,8 +114,15 @@ async def test_client_chosen_ports_leave_bounded_state_and_one_query(
     pod: HostilePod, make_pdproc: Any
 ) -> None:
     # Every port's prefill must run for the state to be tested: the per-host connection
-    # share (tests/integration/test_tarpit.py) would refuse most of them first.
-    pd: Pd = await make_pdproc(pod, max_targets=MAX_TARGETS, max_named_host_connections=PORTS)
+    # share (tests/integration/test_tarpit.py) would refuse most of them first, and the
+    # host's unproven-ports breaker (tests/security/test_unproven_ports.py) the silent ones
+    # after the refused ones; its threshold is the pod breakers', so set past 600 failures.
+    pd: Pd = await make_pdproc(
+        pod,
+        max_targets=MAX_TARGETS,
+        max_named_host_connections=PORTS,
+        breaker_failures=3 * PORTS,
+    )
     with silent_listeners(PORTS) as listeners:
         # Taken while the listeners hold theirs: the two sets of ports cannot overlap.
         refusing = closed_ports(PORTS)
@@ -142,9 +149,13 @@ async def test_failures_on_client_chosen_ports_do_not_thrash_the_engine_cache(
     pd: Pd = await make_pdproc(pod, max_targets=MAX_TARGETS)
     assert (await pd.play(CHAT_BYTES, prefill=pod.address)).disaggregated
     assert pod.hits["query"] == 1
+    answers = []
     for port in closed_ports(20):
         outcome = await pd.play(CHAT_BYTES, prefill=f"127.0.0.1:{port}")
-        assert (outcome.status, outcome.error_kind) == (502, "prefill_failed")
+        answers.append((outcome.status, outcome.error_kind))
+    # After --breaker-failures (5) of them, the host's ports that never answered are refused
+    # without a connection; the pod, which has answered, is not.
+    assert answers == [(502, "prefill_failed")] * 5 + [(503, "prefill_unavailable")] * 15
     assert (await pd.play(CHAT_BYTES, prefill=pod.address)).disaggregated
     # Nothing about the bootstrap server (the only source of the map) has changed.
     assert pod.hits["query"] == 1, f"{pod.hits['query']} /query for one host"

@@ -1,14 +1,14 @@
 """A client's own KV transfer fields, for every connector, on every path.
 
 The fields tell a decode where to pull KV from: vLLM's `kv_transfer_params` and SGLang's
-`bootstrap_host` / `bootstrap_port` / `bootstrap_room` (plus its pairing key and the prefill
-DP rank, read from SGLang's source). Before, only the disaggregated path ran the SGLang
-check: on the decode-only paths (no target, `--pd-min-prompt`, draining, an open breaker with
-`--on-bootstrap-error decode-only`) a client's `bootstrap_*` reached the decode, which then
-contacted whatever the client named. Now `parse_body` refuses every connector's fields on
-every path, whichever connector runs (a 400 counted `bad_request`), and no pod is contacted.
-The kv guard's side (pdproc down) is `tests/e2e/test_edge_security.py` and
-`test_path_coverage.py`.
+`bootstrap_host` / `bootstrap_port` / `bootstrap_room` (plus its pairing key, the prefill DP
+rank, the decode's TP size and the router's KV hint, read from SGLang's source). Before,
+only the disaggregated path ran the SGLang check: on the decode-only paths (no target,
+`--pd-min-prompt`, draining, an open breaker with `--on-bootstrap-error decode-only`) a
+client's `bootstrap_*` reached the decode, which then contacted whatever the client named.
+Now `parse_body` refuses every connector's fields on every path, whichever connector runs (a
+400 counted `bad_request`), and no pod is contacted. The kv guard's side (pdproc down) is
+`tests/e2e/test_edge_security.py` and `test_path_coverage.py`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ HOSTILE_VALUES: dict[str, Any] = {
     "bootstrap_room": 12345,
     "bootstrap_pair_key": "k",
     "disagg_prefill_dp_rank": 0,
+    "decode_tp_size": 1,
+    "kv_router_hint": {"source_control_endpoint": "tcp://169.254.169.254:80", "block_hashes": []},
 }
 CONNECTORS = [KvConnector.MOONCAKE, KvConnector.NIXLV2, KvConnector.SGLANG]
 
