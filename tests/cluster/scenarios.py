@@ -26,9 +26,10 @@ from tests.cluster.bed import (
 ANSWER_BOUND_S = 15.0  # every client answered within this, whatever fails
 SCALE_UP_BOUND_S = 3.0  # a pod added to DNS gets its first prefill within this
 DELAY_MS = 2.0  # the latency scenario's delay on every pod link, each way
-# How far the latency scenario's time to first token may rise over healthy's: a bound on a
-# regression, not a measurement (docs/cluster-tests.md says why these figures).
-TTFT_RISE_MS = {0.5: 20.0, 0.99: 60.0}
+# How far the latency scenario's time to first token may rise over healthy's: bounds on a
+# regression, not measurements (docs/cluster-tests.md says why these figures). The delay adds
+# ~5 ms to p50 and ~15 ms to p99; a busy shared machine alone moves p99 by over 100 ms.
+TTFT_RISE_MS = {0.5: 20.0, 0.99: 150.0}
 FAST_PATH_MS = 1.0  # a round trip on the bed without delay lines is under this
 
 # What an action measured, by name (milliseconds), for the scenario's check; or nothing.
@@ -226,8 +227,8 @@ def latency_observed(o: report.Outcome) -> str:
     ttfts = [(q, *ttft_rise_ms(o, q)) for q in TTFT_RISE_MS]
     rises = ", ".join(f"p{q * 100:g} {ttft:.0f} ms ({rise:+.0f})" for q, ttft, rise in ttfts)
     return (
-        f"gw-pod round trip {m['round trip with lines']:.1f} ms "
-        f"({m['round trip under load']:.1f} under load, {m['round trip without lines']:.2f} "
+        f"gw-pod round trip {m['round trip with lines']:.2f} ms "
+        f"({m['round trip under load']:.2f} under load, {m['round trip without lines']:.2f} "
         f"without lines); TTFT {rises} vs healthy"
     )
 
