@@ -14,6 +14,8 @@ namespace of its own, and nothing is added to the root namespace):
     d1 .21              pdproc-sim decode (:8200)
     dns .53             dnsmasq, the A records of prefill.pdc.test
     client .100         the load (tests/cluster/load.py)
+    p1-line ... p3-line spliced into each pod's link: a kernel bridge, or a delay line
+                        (tests/cluster/delayline.c, compiled here) holding every frame
 
 Every neighbour entry is permanent, so a host whose link is down drops packets silently, as a
 dead node behind a cloud network does (no ARP failure, no ICMP). Everything started is

@@ -51,7 +51,7 @@ static int open_port(const char *name)
 	addr.sll_ifindex = promisc.mr_ifindex = (int)if_nametoindex(name);
 	if (fd < 0 || addr.sll_ifindex == 0
 	    || setsockopt(fd, SOL_PACKET, PACKET_VNET_HDR, &one, sizeof one)
-	    /* Not our own sends back as frames "outgoing" on the other socket's interface. */
+	    /* Frames sent from this namespace (ours) would come back here: not forwarded. */
 	    || setsockopt(fd, SOL_PACKET, PACKET_IGNORE_OUTGOING, &one, sizeof one)
 	    || setsockopt(fd, SOL_PACKET, PACKET_ADD_MEMBERSHIP, &promisc, sizeof promisc)
 	    || setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &rcvbuf, sizeof rcvbuf)
@@ -62,10 +62,11 @@ static int open_port(const char *name)
 	return fd;
 }
 
-/* Everything the socket holds now, queued with its departure time. */
+/* What the socket holds now (64 frames at most, so that sends are never starved), queued
+ * with each frame's departure time. */
 static void take(int fd, struct queue *q, long long delay_ns, unsigned char *buf)
 {
-	for (;;) {
+	for (int i = 0; i < 64; i++) {
 		ssize_t n = recv(fd, buf, MAX_FRAME, MSG_TRUNC);
 		if (n < 0) {
 			/* ENETDOWN: a port went down; the socket reports it once and reads on. */
