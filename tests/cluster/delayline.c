@@ -116,7 +116,7 @@ int main(int argc, char **argv)
 	}
 	prctl(PR_SET_PDEATHSIG, SIGKILL);
 	/* Sleeps end within a microsecond of the due time, not the default 50 us later. */
-	prctl(PR_SET_TIMERSLACK, 1UL);
+	prctl(PR_SET_TIMERSLACK, 1000UL);
 	long long delay_ns = atoll(argv[3]) * 1000LL;
 	int fds[2] = { open_port(argv[1]), open_port(argv[2]) };
 	struct queue queues[2] = { { 0 } }; /* queues[i]: frames read on fds[i], for the other */
