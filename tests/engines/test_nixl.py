@@ -81,6 +81,7 @@ def test_disaggregated_with_kv_moved(
     kv_before = decode.metric(KV_SOURCE, source="external_kv_transfer")
     computed_before = decode.metric(KV_SOURCE, source="local_compute")
     bytes_before = decode.metric(NIXL_BYTES + "_sum")
+    failed_before = nixl_failures(decode)
     pd_before = front.metric("pdproc_requests_total", outcome="pd")
 
     answer = send(front.url, path, openai_body(path, text, stream=stream))
@@ -92,13 +93,26 @@ def test_disaggregated_with_kv_moved(
     # Where the decode's prompt tokens came from, and what pdproc counted, say which side
     # failed when this does.
     seen = (
-        f"decode: {moved} moved, {computed} computed; pdproc: {front.outcomes()}; "
+        f"decode: {moved} moved, {computed} computed, NIXL failures "
+        f"{nixl_failures(decode) - failed_before}; pdproc: {front.outcomes()}; "
         f"the decode's log on KV: {kv_log_lines(decode)}"
     )
     assert moved == prompt_tokens(local), seen
     assert computed == 0, seen
     assert decode.metric(NIXL_BYTES + "_sum") > bytes_before
     assert front.metric("pdproc_requests_total", outcome="pd") == pd_before + 1
+
+
+def nixl_failures(engine: Engine) -> float:
+    """NIXL's own count of failed transfers and of KV that expired before it was read."""
+    return sum(
+        engine.metric(name)
+        for name in (
+            "vllm:nixl_num_failed_transfers_total",
+            "vllm:nixl_num_failed_notifications_total",
+            "vllm:nixl_num_kv_expired_reqs_total",
+        )
+    )
 
 
 def kv_log_lines(engine: Engine, keep: int = 12) -> list[str]:
