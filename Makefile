@@ -178,19 +178,26 @@ test-engines:
 # decode, real dnsmasq serving the pods' A records, a client), the failure scenarios run on
 # it under paced streaming load, the scenario table printed (and left in
 # build/cluster-report.md), everything torn down. Root only. Uses .venv-test as `make test`
-# left it (made here when missing); installs its Debian tools when missing.
+# left it (made here when missing); installs its Debian tools (a C compiler among them) when
+# missing.
 test-cluster: cluster-packages
 	@test -x $(TPY) || $(MAKE) --no-print-directory test-venv
 	PATH="$(CLUSTER_PATH)" PDPROC_TEST_CLUSTER=1 PDPROC_CLUSTER_REPORT="$(CURDIR)/build/cluster-report.md" \
 	  $(INSTALLED_ENV) \
 	  $(TPY) -m pytest -q -p no:cacheprovider -rxXs tests/cluster
 
-# The tools live in sbin, which a non-login root shell may not have on PATH.
+# The tools live in sbin, which a non-login root shell may not have on PATH. The bed compiles
+# its delay line (tests/cluster/delayline.c) with gcc, which needs the C library's and the
+# kernel's headers (not pulled in by gcc without its recommended packages).
 CLUSTER_PATH := $(PATH):/usr/sbin:/sbin
-CLUSTER_TOOLS := ip:iproute2 nft:nftables dnsmasq:dnsmasq-base getent:libc-bin
+CLUSTER_TOOLS := ip:iproute2 nft:nftables dnsmasq:dnsmasq-base getent:libc-bin gcc:gcc
+CLUSTER_HEADERS := /usr/include/stdio.h:libc6-dev /usr/include/linux/virtio_net.h:linux-libc-dev
 cluster-packages:
 	@missing=; for tool in $(CLUSTER_TOOLS); do \
 	  PATH="$(CLUSTER_PATH)" command -v "$${tool%%:*}" >/dev/null || missing="$$missing $${tool#*:}"; \
+	done; \
+	for header in $(CLUSTER_HEADERS); do \
+	  test -f "$${header%%:*}" || missing="$$missing $${header#*:}"; \
 	done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing$$missing (Debian)" >&2; \

@@ -14,6 +14,8 @@ namespace of its own, and nothing is added to the root namespace):
     d1 .21              pdproc-sim decode (:8200)
     dns .53             dnsmasq, the A records of prefill.pdc.test
     client .100         the load (tests/cluster/load.py)
+    p1-line ... p3-line spliced into each pod's link: a kernel bridge, or a delay line
+                        (tests/cluster/delayline.c, compiled here) holding every frame
 
 Every neighbour entry is permanent, so a host whose link is down drops packets silently, as a
 dead node behind a cloud network does (no ARP failure, no ICMP). Everything started is
@@ -30,6 +32,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +54,10 @@ ENVOY_PORT, METRICS_PORT = 10000, 9100
 PROCESSOR = "127.0.0.1:9002"
 ADMIN = "127.0.0.1:9901"
 CHECKOUT = Path(__file__).resolve().parents[2]
+# A pod's delay line (docs/cluster-tests.md): compiled at bed time, runs between these two
+# interfaces of the namespace spliced into the pod's link.
+DELAYLINE_SOURCE = Path(__file__).with_name("delayline.c")
+LINE_PORTS = ("pod", "net")
 # The simulated engines' timing: a prefill computes 30 ms, the decode streams 8 tokens 5 ms
 # apart, so requests overlap at the scenarios' load and "fewest in flight" has work to see.
 SIM_PREFILL = ["--prefill-delay-ms", "30"]
@@ -63,6 +70,18 @@ def addr(host: str) -> str:
 
 def mac(host: str) -> str:
     return f"02:00:0a:d5:00:{HOSTS[host]:02x}"
+
+
+def line(pod: str) -> str:
+    """The namespace spliced into the pod's link (the host key; `ns()` names it)."""
+    return f"{pod}-line"
+
+
+def veth(ns: str, name: str, peer_ns: str, peer: str, peer_mac: str | None = None) -> None:
+    """A veth pair made from `ns`: `name` there, `peer` in `peer_ns`."""
+    address = ["address", peer_mac] if peer_mac else []
+    netns.ip(ns, "link", "add", name, "type", "veth", "peer", "name", peer, "netns", peer_ns,
+             *address)  # fmt: skip
 
 
 def pod_address(pod: str) -> str:
@@ -113,6 +132,8 @@ class Bed:
         self.nft_tables: set[str] = set()
         self.hosts_file = workdir / "prefill.hosts"
         self.in_dns: tuple[str, ...] = ()
+        self.delayline = workdir / "delayline"
+        self.delayed: list[str] = []
         self._built = False
         self._down = False
 
@@ -122,30 +143,22 @@ class Bed:
     # -- the network --------------------------------------------------------------------
 
     def build(self) -> None:
+        # Compiled first: a machine without a C compiler fails before anything is made.
+        netns.run(["gcc", "-O2", "-Wall", "-o", str(self.delayline), str(DELAYLINE_SOURCE)])
         self._built = True
         bridge = self.ns("br")
-        for name in (bridge, *(self.ns(h) for h in HOSTS)):
+        for name in (bridge, *(self.ns(h) for h in (*HOSTS, *map(line, PODS)))):
             netns.run(["ip", "netns", "add", name])
             netns.ip(name, "link", "set", "lo", "up")
         netns.ip(bridge, "link", "add", "br0", "type", "bridge")
         netns.ip(bridge, "link", "set", "br0", "up")
         for host in HOSTS:
-            # Both ends made from the bridge's namespace: no interface ever exists in root.
-            netns.ip(
-                bridge,
-                "link",
-                "add",
-                f"v-{host}",
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "eth0",
-                "netns",
-                self.ns(host),
-                "address",
-                mac(host),
-            )
+            # Both ends made from the bridge's namespace (a pod's from its line's): no
+            # interface ever exists in root.
+            if host in PODS:
+                self._splice(host)
+            else:
+                veth(bridge, f"v-{host}", self.ns(host), "eth0", mac(host))
             netns.ip(bridge, "link", "set", f"v-{host}", "master", "br0", "up")
             netns.ip(self.ns(host), "addr", "add", f"{addr(host)}/24", "dev", "eth0")
             netns.ip(self.ns(host), "link", "set", "eth0", "up")
@@ -169,6 +182,45 @@ class Bed:
         # glibc's defaults otherwise (5 s timeout, 2 attempts), as a pod's resolv.conf has.
         (resolv / "resolv.conf").write_text(f"nameserver {addr('dns')}\n")
         self._start_dnsmasq()
+
+    def _splice(self, pod: str) -> None:
+        """The pod's link runs through a namespace of its own: the pod's eth0, veth to
+        `pod` there, a kernel bridge to `net`, veth to the pod's port on the bridge. The
+        kernel bridge passes frames at once; `delay()` puts a delay line in its place."""
+        spliced = self.ns(line(pod))
+        veth(self.ns("br"), f"v-{pod}", spliced, "net")
+        veth(spliced, "pod", self.ns(pod), "eth0", mac(pod))
+        netns.ip(spliced, "link", "add", "br0", "type", "bridge")
+        for dev in LINE_PORTS:
+            netns.ip(spliced, "link", "set", dev, "master", "br0", "up")
+        netns.ip(spliced, "link", "set", "br0", "up")
+
+    def delay(self, delay_ms: float, pods: Sequence[str] = PODS) -> None:
+        """Every frame on these pods' links held `delay_ms` each way, by a delay line in
+        place of the link's kernel bridge, until `stop()`. Returns once the lines forward."""
+        for pod in pods:
+            for dev in LINE_PORTS:
+                # Out of the kernel bridge first, or both would forward every frame.
+                netns.ip(self.ns(line(pod)), "link", "set", dev, "nomaster")
+            self.delayed.append(pod)
+            usec = str(round(delay_ms * 1000))
+            proc = self.spawn(
+                line(pod), line(pod), [str(self.delayline), *LINE_PORTS, usec], pipe=True
+            )
+            read_ready(proc)
+
+    def undelay(self) -> None:
+        """The delay lines stopped, the links' kernel bridges back."""
+        while self.delayed:
+            pod = self.delayed.pop()
+            self.stop_proc(line(pod))
+            for dev in LINE_PORTS:
+                netns.ip(self.ns(line(pod)), "link", "set", dev, "master", "br0")
+
+    def round_trip_ms(self, src: str, dst: str, port: int, tries: int = 10) -> float:
+        """The shortest of `tries` TCP handshakes from host `src` to `dst:port` (SYN to
+        SYN-ACK, or to the RST of a closed port): the path's round trip, least queueing."""
+        return netns.in_netns(self.ns(src), handshake_ms, addr(dst), port, tries)
 
     def _start_dnsmasq(self) -> None:
         self.hosts_file.write_text("")
@@ -364,6 +416,7 @@ class Bed:
     def stop(self) -> None:
         """The stack down, the network as built: links up, scenario rules gone."""
         self.stop_procs([n for n in self.procs if n != "dnsmasq"])
+        self.undelay()
         for entry in list(self.nft_tables):
             self.nft_delete(*entry.split())
         for host in HOSTS:
@@ -424,6 +477,18 @@ def http_get(url: str, timeout_s: float) -> tuple[int, bytes]:
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+def handshake_ms(address: str, port: int, tries: int) -> float:
+    best = float("inf")
+    for _ in range(tries):
+        with socket.socket() as sock:
+            sock.settimeout(2.0)
+            start = time.perf_counter()
+            with contextlib.suppress(ConnectionRefusedError):
+                sock.connect((address, port))
+            best = min(best, time.perf_counter() - start)
+    return best * 1000
 
 
 def wait_for(
@@ -507,8 +572,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="pdc-bed-")) if args.keep else None
     if workdir is not None:
         print(f"logs and load results in {workdir}", flush=True)
+    done: dict[str, Any] = {}
     with built(workdir) as bed:
-        rows = [scenarios.run(bed, s, client_timeout=args.client_timeout).row for s in chosen]
+        rows = [scenarios.run(bed, s, args.client_timeout, done).row for s in chosen]
     print(scenarios.report_table(rows))
     return 0
 

@@ -16,6 +16,7 @@ from tests.cluster import bed as cluster_bed
 from tests.cluster import report
 
 ROWS: list[report.Row] = []
+OUTCOMES: dict[str, report.Outcome] = {}  # by scenario key, for the ones compared with them
 REPORT = Path(os.environ.get("PDPROC_CLUSTER_REPORT", "build/cluster-report.md"))
 
 

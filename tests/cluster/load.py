@@ -36,6 +36,7 @@ class Sent:
     end: float
     status: int
     error: str | None
+    first: float | None  # the first streamed event (the first token): time to first token
 
 
 @dataclass
@@ -47,10 +48,11 @@ class Clock:
 
 
 async def complete(
-    session: aiohttp.ClientSession, url: str, timeout_s: float
+    session: aiohttp.ClientSession, url: str, timeout_s: float, clock: Clock, first: list[float]
 ) -> tuple[int, str | None]:
     """One streamed completion: (status, None) when it streamed to its `[DONE]`, else what
-    went wrong (`502 bootstrap_error`, `in-band error`, `timeout` ...)."""
+    went wrong (`502 bootstrap_error`, `in-band error`, `timeout` ...). Appends the time of
+    its first event to `first`."""
     prompt = f"Conversation {next(_conversations)}. {PROMPT}"
     body = {"model": "sim-model", "prompt": prompt, "max_tokens": 8, "stream": True}
     try:
@@ -65,6 +67,8 @@ async def complete(
             done = False
             async for line in resp.content:
                 text = line.decode("utf-8", "replace").strip()
+                if text.startswith("data:") and not first:
+                    first.append(clock.now())
                 if text == "data: [DONE]":
                     done = True
                 elif text.startswith("data:") and '"error"' in text:
@@ -94,8 +98,9 @@ async def client(
             budget[0] -= 1
             await asyncio.sleep(max(0.0, due - clock.now()))
             start = clock.now()
-            status, error = await complete(session, url, args.timeout)
-            sent.append(Sent(start, clock.now(), status, error))
+            first: list[float] = []
+            status, error = await complete(session, url, args.timeout, clock, first)
+            sent.append(Sent(start, clock.now(), status, error, first[0] if first else None))
             due += period
             while period and due < clock.now():
                 due += period

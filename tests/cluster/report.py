@@ -5,6 +5,7 @@ and the times of the scenario's events, all in seconds from the load's start."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,6 +19,7 @@ class Request:
     end: float
     status: int
     error: str | None
+    first: float | None = None  # when its first token arrived
 
     @property
     def latency(self) -> float:
@@ -31,6 +33,8 @@ class Outcome:
     # pod name -> [(time, prefill count or None while the pod did not answer)]
     polls: dict[str, list[tuple[float, int | None]]]
     events: dict[str, float] = field(default_factory=dict)
+    # what the scenario measured besides the load (round trips, a baseline's figures)
+    measured: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_load(
@@ -56,6 +60,13 @@ class Outcome:
     @property
     def p50(self) -> float:
         return statistics.median(r.latency for r in self.requests) if self.requests else 0.0
+
+    def ttft(self, q: float) -> float:
+        """The `q` quantile of the answered requests' time to first token (nearest rank)."""
+        ttfts = sorted(r.first - r.start for r in self.requests if r.first is not None)
+        if not ttfts:
+            return float("nan")
+        return ttfts[max(0, math.ceil(q * len(ttfts)) - 1)]
 
     def prefills(self) -> dict[str, int]:
         """Prefills each pod received during the run (its count's growth)."""

@@ -9,21 +9,38 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tests.cluster import report
-from tests.cluster.bed import BOOTSTRAP_PORT, PODS, Bed, addr, pod_address, read_ready
+from tests.cluster.bed import (
+    BOOTSTRAP_PORT,
+    PODS,
+    PREFILL_PORT,
+    Bed,
+    addr,
+    pod_address,
+    read_ready,
+)
 
 ANSWER_BOUND_S = 15.0  # every client answered within this, whatever fails
 SCALE_UP_BOUND_S = 3.0  # a pod added to DNS gets its first prefill within this
+DELAY_MS = 2.0  # the latency scenario's delay on every pod link, each way
+# How far the latency scenario's time to first token may rise over healthy's: bounds on a
+# regression, not measurements (docs/cluster-tests.md says why these figures). The delay adds
+# ~5 ms to p50 and ~15 ms to p99; a busy shared machine alone moves p99 by over 100 ms.
+TTFT_RISE_MS = {0.5: 20.0, 0.99: 150.0}
+FAST_PATH_MS = 1.0  # a round trip on the bed without delay lines is under this
+
+# What an action measured, by name (milliseconds), for the scenario's check; or nothing.
+Measured = Mapping[str, float] | None
 
 
 @dataclass(frozen=True)
 class Step:
     at_s: float
     name: str
-    act: Callable[[Bed], None]
+    act: Callable[[Bed], Measured]
 
 
 @dataclass(frozen=True)
@@ -33,12 +50,15 @@ class Scenario:
     bound: str
     check: Callable[[report.Outcome], list[str]]
     steps: tuple[Step, ...] = ()
-    before: Callable[[Bed], None] | None = None  # before pdproc starts
+    before: Callable[[Bed], Measured] | None = None  # before the stack starts
     dns: tuple[str, ...] = PODS
     duration_s: float = 12.0
     load: tuple[str, ...] = ("--clients", "8", "--rate", "12")
     client_timeout: float = 20.0
     observed: Callable[[report.Outcome], str] = field(default=lambda _o: "")
+    # the scenario whose time to first token this one's is compared with (run first if the
+    # run has not had it)
+    baseline: str | None = None
 
 
 @dataclass
@@ -48,12 +68,22 @@ class Result:
     row: report.Row
 
 
-def run(bed: Bed, scenario: Scenario, client_timeout: float | None = None) -> Result:
+def run(
+    bed: Bed,
+    scenario: Scenario,
+    client_timeout: float | None = None,
+    done: dict[str, report.Outcome] | None = None,
+) -> Result:
     """Start the stack, run the load and the steps, stop the stack: the outcome and which
-    parts of the bound it broke."""
+    parts of the bound it broke. `done` holds the outcomes of the run's earlier scenarios
+    (this one's is added)."""
+    done = {} if done is None else done
     timeout = client_timeout or scenario.client_timeout
+    measured = _baseline(bed, scenario, client_timeout, done)
     try:
-        bed.start(scenario.dns) if scenario.before is None else _start_after(bed, scenario)
+        if scenario.before is not None:
+            measured.update(scenario.before(bed) or {})
+        bed.start(scenario.dns)
         out = bed.workdir / f"load-{scenario.key}.json"
         load = bed.load(
             out, [*scenario.load, "--duration", str(scenario.duration_s), "--timeout", str(timeout)]
@@ -62,7 +92,7 @@ def run(bed: Bed, scenario: Scenario, client_timeout: float | None = None) -> Re
         events: dict[str, float] = {}
         for step in scenario.steps:
             time.sleep(max(0.0, t0 + step.at_s - time.monotonic()))
-            step.act(bed)
+            measured.update(step.act(bed) or {})
             events[step.name] = time.monotonic() - t0
         load.popen.wait(scenario.duration_s + timeout + 30)
         if load.popen.returncode != 0:
@@ -71,15 +101,23 @@ def run(bed: Bed, scenario: Scenario, client_timeout: float | None = None) -> Re
         outcome = report.Outcome.from_load(scenario.name, json.loads(out.read_text()), pods, events)
     finally:
         bed.stop()
+    outcome.measured = measured
+    done[scenario.key] = outcome
     violations = scenario.check(outcome)
     row = report.row(outcome, scenario.bound, violations, scenario.observed(outcome))
     return Result(outcome, violations, row)
 
 
-def _start_after(bed: Bed, scenario: Scenario) -> None:
-    assert scenario.before is not None
-    scenario.before(bed)
-    bed.start(scenario.dns)
+def _baseline(
+    bed: Bed, scenario: Scenario, client_timeout: float | None, done: dict[str, report.Outcome]
+) -> dict[str, float]:
+    """The baseline scenario's time to first token (p50, p99, in ms), run now if needed."""
+    if scenario.baseline is None:
+        return {}
+    if scenario.baseline not in done:
+        run(bed, select([scenario.baseline])[0], client_timeout, done)
+    base = done[scenario.baseline]
+    return {baseline_key(q): base.ttft(q) * 1000 for q in TTFT_RISE_MS}
 
 
 # -- the checks ---------------------------------------------------------------------------
@@ -149,6 +187,52 @@ def ties(o: report.Outcome) -> list[str]:
     return problems
 
 
+def latency(o: report.Outcome) -> list[str]:
+    """Healthy's bound, the delay on the path (else nothing was tested), and time to first
+    token risen by at most TTFT_RISE_MS over the baseline's."""
+    m = o.measured
+    problems = healthy(o)
+    if m["round trip without lines"] >= FAST_PATH_MS:
+        problems.append(
+            f"gw-pod round trip {m['round trip without lines']:.2f} ms without delay lines "
+            f"(under {FAST_PATH_MS:g} ms expected): the bed is too slow to tell a delay"
+        )
+    for key in ("round trip with lines", "round trip under load"):
+        if m[key] < 2 * DELAY_MS:
+            problems.append(
+                f"gw-pod {key} {m[key]:.2f} ms, under 2 x {DELAY_MS:g} ms: "
+                "the delay is not on the path, nothing was tested"
+            )
+    for q, bound in TTFT_RISE_MS.items():
+        _ttft, rise = ttft_rise_ms(o, q)
+        if not rise <= bound:  # NaN (no answer to time) fails too
+            problems.append(
+                f"TTFT p{q * 100:g} rose {rise:.0f} ms over healthy's (bound {bound:g})"
+            )
+    return problems
+
+
+def baseline_key(q: float) -> str:
+    return f"baseline ttft p{q * 100:g}"
+
+
+def ttft_rise_ms(o: report.Outcome, q: float) -> tuple[float, float]:
+    """The `q` quantile of time to first token, and its rise over the baseline's (ms)."""
+    ttft = o.ttft(q) * 1000
+    return ttft, ttft - o.measured[baseline_key(q)]
+
+
+def latency_observed(o: report.Outcome) -> str:
+    m = o.measured
+    ttfts = [(q, *ttft_rise_ms(o, q)) for q in TTFT_RISE_MS]
+    rises = ", ".join(f"p{q * 100:g} {ttft:.0f} ms ({rise:+.0f})" for q, ttft, rise in ttfts)
+    return (
+        f"gw-pod round trip {m['round trip with lines']:.2f} ms "
+        f"({m['round trip under load']:.2f} under load, {m['round trip without lines']:.2f} "
+        f"without lines); TTFT {rises} vs healthy"
+    )
+
+
 def first_p3(event: str) -> Callable[[report.Outcome], str]:
     def observed(o: report.Outcome) -> str:
         first = o.first_prefill_after("p3", o.events[event])
@@ -175,6 +259,20 @@ def _partition_bootstrap(bed: Bed) -> None:
     )
 
 
+def _round_trip(bed: Bed, worst: bool) -> float:
+    """gw's TCP round trip to the pods: the slowest pod's or the fastest's."""
+    trips = [bed.round_trip_ms("gw", pod, PREFILL_PORT) for pod in PODS]
+    return max(trips) if worst else min(trips)
+
+
+def _delay_pod_links(bed: Bed) -> Measured:
+    """The round trip without and with the delay lines (no pod listens yet: the RST of a
+    closed port answers the SYN, over the same links)."""
+    without = _round_trip(bed, worst=True)
+    bed.delay(DELAY_MS)
+    return {"round trip without lines": without, "round trip with lines": _round_trip(bed, False)}
+
+
 def _dns_host_dead(bed: Bed) -> None:
     bed.nft(
         "dns",
@@ -197,7 +295,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "healthy",
         "0 client errors; every answer within 15 s",
         healthy,
-        duration_s=10.0,
+        duration_s=20.0,  # as long as latency's, whose baseline it is: p99s of like counts
     ),
     Scenario(
         "silent-death",
@@ -252,6 +350,26 @@ SCENARIOS: tuple[Scenario, ...] = (
         dns=("p1", "p2"),
         duration_s=22.0,
         observed=first_p3("resolver back with p3"),
+    ),
+    Scenario(
+        "latency",
+        f"+{DELAY_MS:g} ms each way on every pod link",
+        f"0 client errors, answers within 15 s; TTFT p50 at most +{TTFT_RISE_MS[0.5]:g} ms, "
+        f"p99 at most +{TTFT_RISE_MS[0.99]:g} ms over healthy's; gw-pod round trip at least "
+        f"{2 * DELAY_MS:g} ms with the lines in, before and under load (under "
+        f"{FAST_PATH_MS:g} ms without)",
+        latency,
+        before=_delay_pod_links,
+        steps=(
+            Step(
+                19.0,
+                "round trip under load",
+                lambda bed: {"round trip under load": _round_trip(bed, worst=False)},
+            ),
+        ),
+        duration_s=20.0,
+        baseline="healthy",
+        observed=latency_observed,
     ),
     Scenario(
         "ties",

@@ -65,3 +65,34 @@ def test_the_table_says_which_bound_failed() -> None:
     text = report.table([row])
     assert "2 (1 x timeout (20 s), 1 x 502 bootstrap_error)" in text
     assert text.endswith("| bound | **no** |")
+
+
+def timed(ttfts_ms: list[float], **measured: float) -> report.Outcome:
+    requests = [report.Request(i, i + 0.1, 200, None, i + t / 1000) for i, t in enumerate(ttfts_ms)]
+    return report.Outcome("latency", requests, {}, {}, dict(measured))
+
+
+def test_ttft_quantiles_are_nearest_rank() -> None:
+    o = timed([float(t) for t in range(100, 0, -1)])
+    assert round(o.ttft(0.5) * 1000) == 50
+    assert round(o.ttft(0.99) * 1000) == 99
+    assert round(o.ttft(1.0) * 1000) == 100
+
+
+def test_latency_needs_the_delay_on_the_path_and_a_bounded_rise() -> None:
+    trips = {
+        "round trip without lines": 0.05,
+        "round trip with lines": 4.1,
+        "round trip under load": 4.2,
+    }
+    base = {scenarios.baseline_key(0.5): 40.0, scenarios.baseline_key(0.99): 60.0}
+    assert scenarios.latency(timed([45.0] * 99 + [70.0], **trips, **base)) == []
+    no_delay = {**trips, "round trip under load": 0.04}
+    assert scenarios.latency(timed([45.0] * 100, **no_delay, **base)) == [
+        "gw-pod round trip under load 0.04 ms, under 2 x 2 ms: the delay is not on the path, "
+        "nothing was tested"
+    ]
+    slow = scenarios.latency(timed([61.0] * 100, **trips, **base))
+    assert slow == ["TTFT p50 rose 21 ms over healthy's (bound 20)"]
+    unanswered = timed([], **trips, **base)
+    assert len(scenarios.latency(unanswered)) == 2
