@@ -316,9 +316,9 @@ def _serve(args: argparse.Namespace) -> int:
     setup_logging(settings.log_level, settings.log_format)
     logging.getLogger("pdproc").info(describe_tracing())
     from pdproc.limits import apply_descriptor_limit, needed_descriptors
-    from pdproc.listeners import PortInUse, check_ports_free
+    from pdproc.multiprocess.listeners import PortInUse, check_ports_free
+    from pdproc.multiprocess.supervisor import run_workers, worker_count
     from pdproc.pod_http import CONTROL_CONNECTIONS
-    from pdproc.workers import run_workers, worker_count
 
     try:
         check_ports_free(

@@ -12,18 +12,15 @@ older map is never used: the request waits for a fresh query, and every request 
 for that query gets its answer. A map in use is re-queried in the background once older
 than `refresh_s`, so a busy pod's requests rarely wait. A failed prefill drops the pod's
 map at once (at most once a second). This holds in each process and each replica on its
-own. Worker processes of one pdproc (--workers) also tell each other (`Siblings`): a map
-one of them dropped, or found changed, is not used by the others either, so a pod that
-restarted faster than the bound and failed once is followed by every process. Concurrent
-queries for one pod are one query. Answers are read up to a bound and redirects are not
-followed.
+own; with --workers a map one process dropped or found changed is not used by the others
+either (`siblings`: pdproc.multiprocess.siblings). Concurrent queries for one pod are one
+query. Answers are read up to a bound and redirects are not followed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +33,7 @@ from opentelemetry.trace import Span, SpanKind
 from pdproc.connectors import EngineMap
 from pdproc.errors import shown
 from pdproc.metrics import Metrics
+from pdproc.multiprocess.siblings import Siblings
 from pdproc.pod_http import locally_exhausted, peer_gone, read_at_most
 from pdproc.pod_verdict import Verdict, of_bootstrap
 from pdproc.targets import HostPort
@@ -44,9 +42,6 @@ from pdproc.telemetry import ATTR_CACHE, ATTR_ENGINES, ATTR_TARGET, Tracing, fai
 log = logging.getLogger(__name__)
 
 MIN_REFETCH_S = 1.0
-# File times come from the kernel's coarse clock (a tick behind time.time()): a map queried
-# this long after another worker's mark is still taken as older than the mark.
-_MARK_SLACK_S = 0.05
 
 
 # Bounds on a bootstrap server's answer: a prefill pod is trusted to be a prefill pod, not
@@ -117,36 +112,6 @@ def _rank_engine_id(key: str, entry: object) -> str | None:
     return engine_id
 
 
-class Siblings:
-    """What the worker processes of one pdproc tell each other about engine maps: a file
-    per prefill host whose modification time is the last moment one of them found that
-    host's map stale. One stat per lookup, no lock, nothing on the network."""
-
-    def __init__(self, directory: str) -> None:
-        self._directory = directory
-        os.makedirs(directory, exist_ok=True)
-
-    def _path(self, host: str) -> str:
-        # Hosts are DNS names or IP literals (targets.py): no "/" and no "..".
-        return os.path.join(self._directory, host)
-
-    def stale_since(self, host: str) -> float | None:
-        """When a process last found the host's map stale (wall-clock time), if ever."""
-        try:
-            return os.stat(self._path(host)).st_mtime
-        except OSError:
-            return None
-
-    def mark_stale(self, host: str) -> None:
-        path = self._path(host)
-        try:
-            with open(path, "a"):
-                pass
-            os.utime(path)
-        except OSError as exc:  # a full disk must not fail a request
-            log.warning("cannot tell the other workers about a stale engine map: %s", exc)
-
-
 class EngineMaps:
     def __init__(
         self,
@@ -189,10 +154,8 @@ class EngineMaps:
         age = self._clock() - entry[1]
         if age >= self._max_age:
             return None
-        if self._siblings is not None:
-            stale = self._siblings.stale_since(host)
-            if stale is not None and stale + _MARK_SLACK_S >= entry[2]:
-                return None  # another worker found it stale after this map was queried
+        if self._siblings is not None and self._siblings.stale(host, entry[2]):
+            return None  # another worker found it stale after this map was queried
         return entry[0], age
 
     def prefetch(self, target: HostPort, span: Span | None = None) -> None:
@@ -322,8 +285,7 @@ class EngineMaps:
                 extra={"prefill_target": str(target)},
             )
             if self._siblings is not None:
-                self._siblings.mark_stale(target.host)
                 # This map is the news, not what the mark retires.
-                sent_wall = time.time() + _MARK_SLACK_S
+                sent_wall = self._siblings.mark_stale(target.host)
         self._cache[target.host] = (engines, sent, sent_wall)
         return engines

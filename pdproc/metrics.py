@@ -5,19 +5,15 @@ Per-target series (prefills in flight, open breakers) exist only while there is 
 to report and at most `max_targets` of them: targets may come from a request header, so a
 client choosing ports must not grow the page.
 
-With several worker processes (--workers) the values travel through prometheus_client's
-per-process files, which keep every series ever written (it cannot remove one there). So a
-worker sets a finished series to 0 instead of removing it, names at most `max_targets`
-targets over its life (later ones share `other`), and the shared page (_WorkersPage) leaves
-out the zeros and folds whatever is past `max_targets` into `other`: the page reads as one
-process's would.
+These are one process's metrics. A worker of several (--workers) keeps its own in
+prometheus_client's per-process files, and any worker serves the page of all of them
+(pdproc.multiprocess.worker_metrics); each gauge's `multiprocess_mode` says how that page
+combines the workers' values.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -29,10 +25,7 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
     generate_latest,
-    multiprocess,
 )
-from prometheus_client.metrics_core import Metric
-from prometheus_client.registry import Collector
 
 from pdproc import __version__
 from pdproc.outcomes import PREFILL_OUTCOMES, REQUEST_OUTCOMES
@@ -43,13 +36,10 @@ from pdproc.tls_reload import TlsMaterial
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 OTHER_TARGETS = "other"
-
-
-# Set (by workers.py) before any worker starts: prometheus_client picks its storage then.
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-_IN_FLIGHT = "pdproc_prefills_in_flight"
-_BREAKER_OPEN = "pdproc_prefill_breaker_open"
-_BUILD, _BUILD_HELP = "pdproc_build", "pdproc version."
+# The per-target families, and the build info (the same in every process).
+IN_FLIGHT = "pdproc_prefills_in_flight"
+BREAKER_OPEN = "pdproc_prefill_breaker_open"
+BUILD, _BUILD_HELP = "pdproc_build", "pdproc version."
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -73,30 +63,22 @@ _LATENCY_BUCKETS = (
 
 
 class Metrics:
+    # Whether a finished per-target series is removed (a process's own registry can).
+    _removes_series = True
+
     def exposition(self) -> bytes:
-        """The /metrics page: this process's registry, or every worker's with --workers."""
-        directory = os.environ.get(MULTIPROC_ENV)
-        if directory is None:
-            return generate_latest(self.registry)
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_WorkersPage(directory, self.registry, self._max_targets))
-        return generate_latest(registry)
+        """The /metrics page."""
+        return generate_latest(self.registry)
 
     def __init__(self, registry: CollectorRegistry | None = None, max_targets: int = 1024) -> None:
         self.registry = registry or CollectorRegistry()
         self._max_targets = max_targets
         self._flight_labels: dict[HostPort, str] = {}
-        self._shared = MULTIPROC_ENV in os.environ
-        # Shared files only: the targets this process has written a series for, and the
-        # open breakers of those past the bound (counted under `other`).
-        self._named: set[str] = set()
-        self._open_others: set[HostPort] = set()
         r = self.registry
-        # CPU and memory of this process (with --workers the shared page adds up the
-        # workers': _WorkersPage).
+        # CPU and memory of this process (with --workers the page adds up the workers').
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
-        Info(_BUILD, _BUILD_HELP, registry=r).info({"version": __version__})
+        Info(BUILD, _BUILD_HELP, registry=r).info({"version": __version__})
         self.requests = Counter(
             "pdproc_requests",
             "Requests seen by the processor, by P/D path, outcome "
@@ -117,7 +99,7 @@ class Metrics:
             registry=r,
         )
         self.prefills_in_flight = Gauge(
-            _IN_FLIGHT,
+            IN_FLIGHT,
             "Prefills in flight per target.",
             ["target"],
             registry=r,
@@ -189,7 +171,7 @@ class Metrics:
             multiprocess_mode="livesum",
         )
         self.breaker_open = Gauge(
-            _BREAKER_OPEN,
+            BREAKER_OPEN,
             "1 while the circuit breaker of a prefill target is open.",
             ["target"],
             registry=r,
@@ -242,15 +224,7 @@ class Metrics:
 
     def _label(self, target: HostPort, in_use: int) -> str:
         """The label of a target's series: its own while under the bound, else `other`."""
-        name = str(target)
-        if not self._shared:
-            return name if in_use < self._max_targets else OTHER_TARGETS
-        if name in self._named:
-            return name
-        if len(self._named) < self._max_targets:
-            self._named.add(name)
-            return name
-        return OTHER_TARGETS
+        return str(target) if in_use < self._max_targets else OTHER_TARGETS
 
     def prefill_started(self, target: HostPort) -> None:
         label = self._flight_labels.get(target)
@@ -263,117 +237,16 @@ class Metrics:
         label = self._flight_labels.get(target, OTHER_TARGETS)
         if still_in_flight == 0:
             self._flight_labels.pop(target, None)
-            if label != OTHER_TARGETS and not self._shared:
+            if label != OTHER_TARGETS and self._removes_series:
                 # Nothing in flight: drop the series, so pods that are gone leave no trace.
                 self.prefills_in_flight.remove(label)
                 return
         self.prefills_in_flight.labels(label).dec()
 
     def breaker_changed(self, target: HostPort, is_open: bool) -> None:
-        """Breaker states are bounded by --max-targets already; a closed one has no series
-        (with shared files: a 0 the page leaves out)."""
-        if not self._shared:
-            if is_open:
-                self.breaker_open.labels(str(target)).set(1)
-            else:
-                with contextlib.suppress(KeyError):
-                    self.breaker_open.remove(str(target))
-            return
-        label = self._label(target, 0) if is_open else str(target)
-        if label in self._named:
-            self.breaker_open.labels(label).set(1 if is_open else 0)
-            return
+        """Breaker states are bounded by --max-targets already; a closed one has no series."""
         if is_open:
-            self._open_others.add(target)
+            self.breaker_open.labels(str(target)).set(1)
         else:
-            self._open_others.discard(target)
-        self.breaker_open.labels(OTHER_TARGETS).set(1 if self._open_others else 0)
-
-
-class _WorkersPage(Collector):
-    """The page of several worker processes (--workers): prometheus_client's multiprocess
-    view of their metric files, plus what that view leaves out, so the page has what one
-    process's page has: every declared family (also those with no sample yet), the build
-    info, the Python platform, and the process metrics of the live workers added up (CPU,
-    memory and descriptors summed; the earliest start time)."""
-
-    def __init__(self, directory: str, own: CollectorRegistry, max_targets: int) -> None:
-        self._directory = directory
-        self._own = own
-        self._max_targets = max_targets
-
-    def collect(self) -> Iterator[Metric]:
-        seen: set[str] = set()
-        multi = multiprocess.MultiProcessCollector(None, self._directory)  # type: ignore[no-untyped-call]
-        for family in multi.collect():  # type: ignore[no-untyped-call]
-            seen.add(family.name)
-            if family.name == _IN_FLIGHT:
-                yield bounded_per_target(family, self._max_targets, sum)
-            elif family.name == _BREAKER_OPEN:
-                yield bounded_per_target(family, self._max_targets, max)
-            else:
-                yield family
-        for family in self._own.collect():
-            if family.name.startswith(("pdproc_", "python_")) and family.name not in seen:
-                if family.name in (_BUILD, "python_info"):
-                    yield family  # the same in every worker
-                else:
-                    yield Metric(family.name, family.documentation, family.type)
-        yield from _summed_process_metrics(_live_pids(self._directory))
-
-
-def bounded_per_target(
-    family: Metric, limit: int, combine: Callable[[list[float]], float]
-) -> Metric:
-    """A per-target family as one process would show it: no series for a target with
-    nothing to report (0), at most `limit` targets of their own (the largest values), the
-    rest combined into `other`."""
-    values: dict[str, float] = {}
-    for sample in family.samples:
-        target = sample.labels.get("target", OTHER_TARGETS)
-        if sample.value:
-            values[target] = combine([values.get(target, 0.0), sample.value])
-    named = sorted((t for t in values if t != OTHER_TARGETS), key=lambda t: (-values[t], t))
-    folded = [values[t] for t in named[limit:]]
-    if OTHER_TARGETS in values:
-        folded.append(values[OTHER_TARGETS])
-    bounded = Metric(family.name, family.documentation, family.type)
-    for target in named[:limit]:
-        bounded.add_sample(family.name, {"target": target}, values[target])
-    if folded:
-        bounded.add_sample(family.name, {"target": OTHER_TARGETS}, combine(folded))
-    return bounded
-
-
-def _live_pids(directory: str) -> list[int]:
-    """Workers that wrote metric files and are still running."""
-    pids = set()
-    for name in os.listdir(directory):
-        stem, _, suffix = name.rpartition(".")
-        pid = stem.rpartition("_")[2]
-        if suffix == "db" and pid.isdigit() and os.path.exists(f"/proc/{pid}"):
-            pids.add(int(pid))
-    return sorted(pids)
-
-
-_EARLIEST = {"process_start_time_seconds", "process_max_fds"}
-
-
-def _constant(pid: int) -> Callable[[], int]:
-    return lambda: pid
-
-
-def _summed_process_metrics(pids: list[int]) -> Iterator[Metric]:
-    merged: dict[str, Metric] = {}
-    for pid in pids:
-        for family in ProcessCollector(registry=None, pid=_constant(pid)).collect():
-            total = merged.get(family.name)
-            if total is None:
-                merged[family.name] = family
-                continue
-            pick = min if family.name in _EARLIEST else sum
-            total.samples = [
-                mine._replace(value=pick((mine.value, theirs.value)))
-                for mine, theirs in zip(total.samples, family.samples, strict=False)
-            ]
-    yield from merged.values()
+            with contextlib.suppress(KeyError):
+                self.breaker_open.remove(str(target))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import signal
 import threading
 from collections.abc import Callable
@@ -26,11 +25,12 @@ from pdproc.connectors.mooncake import Mooncake
 from pdproc.connectors.nixlv2 import NixlV2
 from pdproc.connectors.sglang import SGLang
 from pdproc.discovery import DnsPool
-from pdproc.engine_maps import EngineMaps, Siblings
+from pdproc.engine_maps import EngineMaps
 from pdproc.extproc_wire import read_request, write_response
 from pdproc.http_site import BoundedTCPSite
-from pdproc.listeners import PortInUse
-from pdproc.metrics import MULTIPROC_ENV, Metrics
+from pdproc.metrics import Metrics
+from pdproc.multiprocess.listeners import PortInUse
+from pdproc.multiprocess.sharing import Sharing
 from pdproc.pod_http import new_session
 from pdproc.prefill import OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.probes import Prober
@@ -61,10 +61,10 @@ class Server:
         share_ports: bool = False,
     ) -> None:
         self.settings = settings
-        # One of several worker processes (--workers): bind the ports with SO_REUSEPORT.
-        # Alone, bind without it, so a port another process holds is refused (listeners.py).
-        self._share_ports = share_ports
-        self.metrics = metrics or Metrics(max_targets=settings.max_targets)
+        # share_ports: one of several worker processes (--workers). What this process shares
+        # with the others (ports, metrics, stale engine maps): pdproc.multiprocess.
+        self._sharing = Sharing.of_this_process(worker=share_ports)
+        self.metrics = metrics or self._sharing.metrics(settings.max_targets)
         self._tracer_provider = tracer_provider
         self.tracing = Tracing(tracer_provider)
         self.port = 0
@@ -93,7 +93,7 @@ class Server:
             size=s.engine_cache_size,
             refresh_s=s.engine_refresh,
             tracing=self.tracing,
-            siblings=_siblings(),
+            siblings=self._sharing.siblings(),
         )
         self._dns = self._dns_pool()
         if self._dns is not None:
@@ -167,7 +167,7 @@ class Server:
             options=[
                 ("grpc.max_receive_message_length", s.grpc_max_message_bytes),
                 ("grpc.max_send_message_length", s.grpc_max_message_bytes),
-                ("grpc.so_reuseport", int(self._share_ports)),
+                ("grpc.so_reuseport", int(self._sharing.reuse_port)),
                 *limits.grpc_options(),
                 *_tls_options(s),
             ]
@@ -233,7 +233,7 @@ class Server:
             listen.port,
             max_connections=limits.HTTP_MAX_CONNECTIONS,
             lifetime_s=limits.HTTP_CONNECTION_LIFETIME_S,
-            reuse_port=self._share_ports,
+            reuse_port=self._sharing.reuse_port,
         )
         await site.start()
         self.metrics_port = _bound_port(self._web, listen.port)
@@ -351,13 +351,6 @@ def _tls_mode(s: Settings) -> str:
     if s.tls_client_ca:
         return "mtls"
     return "tls" if s.tls_cert else "off"
-
-
-def _siblings() -> Siblings | None:
-    """The other workers of this pdproc (--workers), if any: they share the metrics
-    directory the parent made."""
-    shared = os.environ.get(MULTIPROC_ENV)
-    return None if shared is None else Siblings(os.path.join(shared, "stale-engine-maps"))
 
 
 def _membership(static: tuple[HostPort, ...], dns: DnsPool | None) -> Callable[[HostPort], bool]:

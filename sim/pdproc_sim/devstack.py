@@ -333,9 +333,9 @@ def start_envoy(
     config_hook: Callable[[dict[str, Any]], None] | None = None,
 ) -> Envoy:
     """Envoy with `pdproc envoy-config`'s bootstrap; `config_hook` may change the parsed
-    bootstrap first (a test adding what the generator does not offer, e.g. tracing)."""
-    listen = HostPort("127.0.0.1", listen_port or free_port())
-    admin = HostPort("127.0.0.1", free_port())
+    bootstrap first (a test adding what the generator does not offer, e.g. tracing). Ports
+    picked here may be taken by another process before Envoy binds them: it is tried again
+    on others, a few times."""
     binary = envoy_binary()
     extra = dict(extra_options or {})
     if "envoy_version" not in extra and ENVOY_VERSION_ENV not in os.environ:
@@ -343,40 +343,62 @@ def start_envoy(
         version = envoy_version_of(binary)
         if version is not None:
             extra["envoy_version"] = version
-    options = EnvoyOptions(
-        listen=listen,
-        processor=list(processors) or [HostPort("127.0.0.1", 9)],
-        decode=decode,
-        admin=admin,
-        with_processor=with_processor,
-        **{"access_log": True, **extra},
-    )
-    config = workdir / f"envoy-{listen.port}.yaml"
-    text = render(options)
-    if config_hook is not None:
-        import yaml
+    wait_processor = with_processor and bool(processors)
+    for attempt in range(_PORT_ATTEMPTS):
+        listen = HostPort("127.0.0.1", listen_port or free_port())
+        admin = HostPort("127.0.0.1", free_port())
+        options = EnvoyOptions(
+            listen=listen,
+            processor=list(processors) or [HostPort("127.0.0.1", 9)],
+            decode=decode,
+            admin=admin,
+            with_processor=with_processor,
+            **{"access_log": True, **extra},
+        )
+        try:
+            return _run_envoy(binary, workdir, options, config_hook, concurrency, wait_processor)
+        except RuntimeError as exc:
+            if "Address already in use" not in str(exc) or attempt + 1 == _PORT_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
 
-        bootstrap = yaml.safe_load(text)
-        config_hook(bootstrap)
-        text = yaml.safe_dump(bootstrap, sort_keys=False)
-    config.write_text(text, "utf-8")
-    argv = [
-        binary,
-        "-c",
-        str(config),
-        "--use-dynamic-base-id",
-        "--concurrency",
-        str(concurrency),
-        "--log-level",
-        "warning",
-        "--disable-hot-restart",
-    ]
+
+def _run_envoy(
+    binary: str,
+    workdir: Path,
+    options: EnvoyOptions,
+    config_hook: Callable[[dict[str, Any]], None] | None,
+    concurrency: int,
+    wait_processor: bool,
+) -> Envoy:
+    """Envoy started with `options`, its admin, listener and (if asked) processor ready."""
+    listen, admin = options.listen, options.admin
+    config = workdir / f"envoy-{listen.port}.yaml"
+    config.write_text(_envoy_text(options, config_hook), "utf-8")
+    argv = [binary, "-c", str(config), "--use-dynamic-base-id", "--concurrency",
+            str(concurrency), "--log-level", "warning", "--disable-hot-restart"]  # fmt: skip
     proc = spawn(f"envoy-{listen.port}", argv, workdir)
-    wait_for(lambda: http_get(admin.url() + "/ready")[0] == 200, "envoy", proc=proc)
-    wait_for(lambda: port_open(listen.host, listen.port), "envoy listener", proc=proc)
-    if with_processor and processors:
-        wait_for(lambda: _processor_healthy(admin), "envoy health check of pdproc", proc=proc)
+    try:
+        wait_for(lambda: http_get(admin.url() + "/ready")[0] == 200, "envoy", proc=proc)
+        wait_for(lambda: port_open(listen.host, listen.port), "envoy listener", proc=proc)
+        if wait_processor:
+            wait_for(lambda: _processor_healthy(admin), "envoy health check of pdproc", proc=proc)
+    except BaseException:
+        # Nobody else has this handle: an Envoy that never got ready is stopped here.
+        proc.stop()
+        raise
     return Envoy(proc, listen, admin, config)
+
+
+def _envoy_text(options: EnvoyOptions, config_hook: Callable[[dict[str, Any]], None] | None) -> str:
+    text = render(options)
+    if config_hook is None:
+        return text
+    import yaml
+
+    bootstrap = yaml.safe_load(text)
+    config_hook(bootstrap)
+    return str(yaml.safe_dump(bootstrap, sort_keys=False))
 
 
 def _processor_healthy(admin: HostPort) -> bool:

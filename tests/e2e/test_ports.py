@@ -20,7 +20,7 @@ import httpx
 import pytest
 from pdproc_sim.devstack import free_port
 
-from pdproc.listeners import port_held
+from pdproc.multiprocess.listeners import port_held
 
 pytestmark = pytest.mark.e2e
 

@@ -81,6 +81,7 @@ def test_disaggregated_with_kv_moved(
     kv_before = decode.metric(KV_SOURCE, source="external_kv_transfer")
     computed_before = decode.metric(KV_SOURCE, source="local_compute")
     bytes_before = decode.metric(NIXL_BYTES + "_sum")
+    failed_before = nixl_failures(decode)
     pd_before = front.metric("pdproc_requests_total", outcome="pd")
 
     answer = send(front.url, path, openai_body(path, text, stream=stream))
@@ -91,11 +92,34 @@ def test_disaggregated_with_kv_moved(
     computed = decode.metric(KV_SOURCE, source="local_compute") - computed_before
     # Where the decode's prompt tokens came from, and what pdproc counted, say which side
     # failed when this does.
-    seen = f"decode: {moved} moved, {computed} computed; pdproc: {front.outcomes()}"
+    seen = (
+        f"decode: {moved} moved, {computed} computed, NIXL failures "
+        f"{nixl_failures(decode) - failed_before}; pdproc: {front.outcomes()}; "
+        f"the decode's log on KV: {kv_log_lines(decode)}"
+    )
     assert moved == prompt_tokens(local), seen
     assert computed == 0, seen
     assert decode.metric(NIXL_BYTES + "_sum") > bytes_before
     assert front.metric("pdproc_requests_total", outcome="pd") == pd_before + 1
+
+
+def nixl_failures(engine: Engine) -> float:
+    """NIXL's own count of failed transfers and of KV that expired before it was read."""
+    return sum(
+        engine.metric(name)
+        for name in (
+            "vllm:nixl_num_failed_transfers_total",
+            "vllm:nixl_num_failed_notifications_total",
+            "vllm:nixl_num_kv_expired_reqs_total",
+        )
+    )
+
+
+def kv_log_lines(engine: Engine, keep: int = 12) -> list[str]:
+    """The engine log's last warnings and errors (a failed KV read names itself there)."""
+    lines = engine.log_path.read_text(errors="replace").splitlines()
+    wanted = [line[:300] for line in lines if " WARNING " in line or " ERROR " in line]
+    return wanted[-keep:]
 
 
 def test_client_kv_transfer_params_refused(

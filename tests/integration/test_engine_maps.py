@@ -9,12 +9,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import httpx
 import pytest
 from pdproc_sim import PrefillConfig, RunningPrefill, start_prefill
 
-from pdproc.engine_maps import MIN_REFETCH_S, EngineMaps, Siblings
+from pdproc.engine_maps import MIN_REFETCH_S, EngineMaps
 from pdproc.metrics import Metrics
+from pdproc.multiprocess.siblings import Siblings
 from pdproc.pod_http import new_session
 from pdproc.targets import HostPort
 
@@ -130,6 +132,22 @@ async def test_a_prefetch_starts_a_query_for_a_map_too_old_to_use(
     assert await queries(pod) == 2  # the request waited for the prefetch, no second query
 
 
+def sibling_maps(
+    client: aiohttp.ClientSession, pod: RunningPrefill, clock: Clock, shared: Path
+) -> EngineMaps:
+    """The engine maps of one worker of a pdproc whose workers share `shared`."""
+    return EngineMaps(
+        client,
+        Metrics(),
+        port=pod.bootstrap_port or 0,
+        timeout_s=5.0,
+        max_age_s=MAX_AGE,
+        size=16,
+        clock=clock,
+        siblings=Siblings(str(shared)),
+    )
+
+
 async def test_workers_follow_a_map_another_worker_dropped(
     pod: RunningPrefill, tmp_path: Path
 ) -> None:
@@ -137,22 +155,8 @@ async def test_workers_follow_a_map_another_worker_dropped(
     faster than the age bound and failed a prefill in one of them. The other does not pair
     with its (young, stale) map either."""
     clock = Clock()
-    assert pod.bootstrap_port is not None
     async with new_session(16) as client:
-
-        def worker() -> EngineMaps:
-            return EngineMaps(
-                client,
-                Metrics(),
-                port=pod.bootstrap_port or 0,
-                timeout_s=5.0,
-                max_age_s=MAX_AGE,
-                size=16,
-                clock=clock,
-                siblings=Siblings(str(tmp_path / "shared")),
-            )
-
-        first, second = worker(), worker()
+        first, second = (sibling_maps(client, pod, clock, tmp_path / "shared") for _ in range(2))
         old = await first.get(target(pod))
         assert await second.get(target(pod)) == old
         clock.now += MIN_REFETCH_S + 0.5
@@ -161,3 +165,22 @@ async def test_workers_follow_a_map_another_worker_dropped(
         assert await second.get(target(pod)) == new
         assert await first.get(target(pod)) == new
         assert await queries(pod) == 4  # one each before, one each after
+
+
+async def test_workers_follow_a_map_another_worker_found_changed(
+    pod: RunningPrefill, tmp_path: Path
+) -> None:
+    """The pod restarted faster than the age bound, and one worker's query (a probe) found
+    its new ids: the other worker does not pair with its young old map, and the worker that
+    found the change keeps the new map its own mark came with."""
+    clock = Clock()
+    async with new_session(16) as client:
+        first, second = (sibling_maps(client, pod, clock, tmp_path / "shared") for _ in range(2))
+        old = await first.get(target(pod))
+        assert await second.get(target(pod)) == old
+        new = await restart(pod)
+        assert await first.query_now(target(pod)) == new
+        assert await first.get(target(pod)) == new
+        assert await queries(pod) == 3  # the new map is used as it is, not asked for again
+        assert await second.get(target(pod)) == new
+        assert await queries(pod) == 4

@@ -1,5 +1,5 @@
-"""pdproc.listeners: a fixed port another process listens on stops `serve` before it binds
-(real sockets on loopback)."""
+"""pdproc.multiprocess.listeners: a fixed port another process listens on stops `serve`
+before it binds (real sockets on loopback)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdproc.listeners import PortInUse, check_ports_free, port_held
+from pdproc.multiprocess.listeners import PortInUse, check_ports_free, port_held
 from pdproc.targets import HostPort
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.metrics_core import Metric
 
-from pdproc.metrics import bounded_per_target
+from pdproc.multiprocess.worker_metrics import bounded_per_target
 
 
 def family(values: dict[str, float]) -> Metric:

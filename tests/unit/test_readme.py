@@ -86,3 +86,10 @@ def test_grafana_dashboard_only_queries_metrics_pdproc_exports() -> None:
     }
     assert queried
     assert queried <= exported, queried - exported
+
+
+def test_readme_is_a_front_door() -> None:
+    """The README is the first screen, not the manual: what goes past 16 KiB belongs in
+    docs/ (a page the README links)."""
+    size = len(README.encode())
+    assert size <= 16 * 1024, f"README.md is {size} bytes: move detail into docs/"

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from pdproc.config import Settings
+from pdproc.multiprocess.budgets import worker_settings
+from pdproc.multiprocess.supervisor import cpus_from_cpu_max, usable_cpus, worker_count
 from pdproc.targets import HostPort
-from pdproc.workers import cpus_from_cpu_max, usable_cpus, worker_count, worker_settings
 
 
 @pytest.mark.parametrize(

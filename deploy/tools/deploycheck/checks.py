@@ -630,6 +630,10 @@ def _pdproc_ext_proc(
             f"extProc[{i}] pdproc must be the last processor (after the endpoint "
             "picker, whose headers it reads)",
         )
+    _pdproc_backend_buffer(pol, i, ext, report)
+
+
+def _pdproc_backend_buffer(pol: Doc, i: int, ext: dict[str, Any], report: Report) -> None:
     limit = ((ext.get("backendSettings") or {}).get("connection") or {}).get("bufferLimit")
     if limit is None or quantity(limit) > PDPROC_CLUSTER_BUFFER_LIMIT:
         report.error(

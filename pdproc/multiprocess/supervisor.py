@@ -1,20 +1,10 @@
-"""`pdproc serve --workers N`: N processes on one port, one per usable CPU by default.
+"""The parent of `pdproc serve --workers N`: it starts the workers, and only supervises them.
 
-Python runs one request at a time per process; the kernel spreads Envoy's HTTP/2 connections
-over the processes bound to the port (SO_REUSEPORT, set by `server.py`), and each process is
-a full, independent pdproc, as separate replicas would be:
-
-- its engine-id cache is true on its own (a map is never used past its age bound:
-  engine_maps.py), so nothing needs sharing;
-- its breakers learn about a dead pod from its own requests: a dead pod costs each process
-  one failed request (and one probe per cooldown) instead of one in all, a bounded price
-  that sharing state on every request would cost more than;
-- the totals a pdproc promises (--max-inflight-bytes, --max-prefill-connections) are split
-  between the processes, so they stay totals.
-
-Metrics are aggregated across the processes with prometheus_client's multiprocess mode, so
-any process answers `/metrics` for all of them (metrics.py). The parent only supervises: it
-restarts a worker that dies and forwards SIGTERM/SIGINT for a graceful drain.
+How many: `--workers`, or one per usable CPU (a container's CPU limit, else the affinity);
+one when the port is 0, as processes cannot share a port each of them picks. The parent
+makes the shared directory (pdproc.multiprocess.sharing) before any worker starts, starts
+each worker with its share of the totals (budgets.py), restarts one that dies (its gauges
+leave the page) and forwards SIGTERM/SIGINT, so every worker drains gracefully.
 """
 
 from __future__ import annotations
@@ -27,15 +17,16 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
 from pdproc.config import Settings
-from pdproc.metrics import MULTIPROC_ENV
+from pdproc.multiprocess.budgets import worker_settings
+from pdproc.multiprocess.sharing import MULTIPROC_ENV
 
-log = logging.getLogger(__name__)
+# The logger these lines have always had (log queries select on it), not the module's name.
+log = logging.getLogger("pdproc.workers")
 
 
 def worker_count(settings: Settings) -> int:
@@ -158,17 +149,6 @@ def _mark_dead(process: BaseProcess) -> None:
 
     if process.pid is not None:
         multiprocess.mark_process_dead(process.pid)  # type: ignore[no-untyped-call]
-
-
-def worker_settings(settings: Settings, count: int) -> Settings:
-    """One worker's share of `settings`: one process, and its part of the pdproc's totals."""
-    return replace(
-        settings,
-        workers=1,
-        max_inflight_bytes=max(1, settings.max_inflight_bytes // count),
-        max_prefill_connections=max(1, settings.max_prefill_connections // count),
-        max_named_host_connections=max(1, settings.max_named_host_connections // count),
-    )
 
 
 def _worker(settings: Settings) -> None:
