@@ -21,6 +21,7 @@ VERSUS = (
     ("pdproc", "floor"),
     ("pdproc-baseline", "floor"),
     ("pdproc", "pdproc-baseline"),
+    ("pdproc-defaults", "pdproc-baseline"),
     ("pdproc-auto-workers", "pdproc"),
     ("pdproc-defaults", "floor"),
     ("pdproc-defaults", "pdproc"),

@@ -101,6 +101,8 @@ class Options:
     command: str
     upload_mbps: float = 0.0
     baseline_pdproc: Path | None = None
+    # The configuration whose flags pdproc-baseline runs with (--baseline-like).
+    baseline_like: str = "pdproc"
     # Cells whose bodies in flight (size x concurrency) pass this are left out (0: none).
     max_cell_bytes: int = 0
     # Measured requests at a given concurrency, over `requests` (--requests 16:300,...).
@@ -128,6 +130,7 @@ class Options:
             # The largest body plus room for what the processors splice in.
             max_body_bytes=max(16 * MiB, max(self.sizes) + MiB),
             baseline_pdproc=self.baseline_pdproc,
+            baseline_like=self.baseline_like,
         )
 
 
@@ -354,6 +357,13 @@ def build_parser() -> argparse.ArgumentParser:
         "git revision)",
     )
     parser.add_argument(
+        "--baseline-like",
+        choices=("pdproc", "pdproc-defaults", "pdproc-auto-workers", "pdproc-buffered"),
+        default="pdproc",
+        help="the configuration whose flags pdproc-baseline runs with (default pdproc; "
+        "pdproc-defaults: the baseline with every default, beside pdproc-defaults)",
+    )
+    parser.add_argument(
         "--max-cell-bytes",
         type=parse_size,
         default=0,
@@ -386,6 +396,7 @@ def options_from(args: argparse.Namespace, argv: Sequence[str]) -> Options:
         "envoy_options": dict(args.envoy_option),
         "upload_mbps": args.upload_mbps,
         "baseline_pdproc": args.baseline_pdproc,
+        "baseline_like": args.baseline_like,
         "max_cell_bytes": args.max_cell_bytes,
         "command": shlex.join(["python", "-m", "bench.run", *argv]),
     }
@@ -733,6 +744,7 @@ def meta(opts: Options) -> dict[str, Any]:
         "envoy_options": opts.envoy_options,
         "upload_mbps": opts.upload_mbps,
         "baseline_pdproc": str(opts.baseline_pdproc) if opts.baseline_pdproc else None,
+        "baseline_like": opts.baseline_like,
         "max_cell_bytes": opts.max_cell_bytes,
         "cpus": os.cpu_count(),
         "cpu_model": cpu_model,

@@ -118,6 +118,8 @@ class StackOptions:
     max_body_bytes: int = 16 * 1024 * 1024
     # `pdproc` of another installation (a virtualenv's bin/pdproc), run as pdproc-baseline.
     baseline_pdproc: Path | None = None
+    # The configuration whose flags pdproc-baseline gets: the same settings, another build.
+    baseline_like: str = "pdproc"
 
 
 @dataclass
@@ -267,7 +269,10 @@ def start_pdproc(
 def _own_args(name: str, opts: StackOptions) -> list[str]:
     """What a pdproc configuration sets beyond its pods. `pdproc-defaults` sets nothing:
     what a user of the installed wheel gets (its body limits fit every size up to
-    --max-body-bytes' default; larger sizes get the bench's limits)."""
+    --max-body-bytes' default; larger sizes get the bench's limits). `pdproc-baseline` gets
+    the flags of the configuration it is measured against (--baseline-like)."""
+    if name == "pdproc-baseline":
+        name = opts.baseline_like
     if name == "pdproc-defaults":
         # The default spelled out: devstack.start_pdproc asks for one process otherwise.
         args = ["--workers", str(serve_default("workers"))]

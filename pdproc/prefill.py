@@ -77,6 +77,9 @@ _DROP_HEADERS = frozenset(
     }
 )
 
+# The first piece of a prefill body shorter than this is written with the request head.
+_JOINED_WITH_HEAD = 64 * 1024
+
 _OK = PrefillResult.OK  # (a module constant: enum attribute access is slow on Python 3.11)
 
 
@@ -133,12 +136,13 @@ class _SentOnce(aiohttp.Payload):
     async def write_with_length(
         self, writer: aiohttp.abc.AbstractStreamWriter, content_length: int | None
     ) -> None:
-        # The request head goes out on its own: aiohttp would otherwise join it with the
-        # first piece (a copy of a long prompt, held until the pod has read it all).
-        send_headers = getattr(writer, "send_headers", None)
-        if send_headers is not None:
-            send_headers()
         parts, self._value = list(self._value), ()
+        # aiohttp joins the request head with the first piece written (one copy, one
+        # syscall): right for a short piece, but a long prompt's head goes out on its own,
+        # not as a copy of the prompt held until the pod has read it all.
+        send_headers = getattr(writer, "send_headers", None)
+        if send_headers is not None and parts and len(parts[0]) >= _JOINED_WITH_HEAD:
+            send_headers()
         parts.reverse()
         try:
             while parts:

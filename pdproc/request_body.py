@@ -67,6 +67,7 @@ MAX_VALUES = 1 << 20
 # At most this many top-level members: the engines' request models have about a hundred.
 MAX_MEMBERS = 4096
 _COUNTED_CHUNK = 1 << 20
+_UNCOUNTED = bytes(set(range(256)) - set(b",[{:"))
 _MEMBERS = msgspec.json.Decoder(Members)
 _ENCODER = msgspec.json.Encoder()
 
@@ -174,7 +175,7 @@ def _check_value(value: msgspec.Raw) -> None:
     """Decode one member in full (msgspec, in C) and check what it holds (orjson's encoder,
     in C: it refuses integers beyond 64 bits and nesting beyond 254 levels, pdproc's own two
     rules); a member of more values than MAX_VALUES is refused before it is decoded."""
-    if value_kind(value) in ("object", "array") and values_bound(value) > MAX_VALUES:
+    if _may_exceed_values(value) and values_bound(value) > MAX_VALUES:
         raise BodyError(f"a request body field holds more than {MAX_VALUES} JSON values")
     try:
         decoded = msgspec.json.decode(_objects_as_arrays(value))
@@ -228,15 +229,23 @@ def _translated(buffer: ClientBytes | msgspec.Raw) -> ClientBytes:
     )
 
 
+def _may_exceed_values(value: msgspec.Raw) -> bool:
+    """Whether a member may hold more than MAX_VALUES values. Its bound (below) is at most
+    its length plus one, so a member shorter than MAX_VALUES bytes cannot, and is not
+    counted: a prompt of up to a MiB pays no pass over its bytes for this rule."""
+    return len(value) >= MAX_VALUES and value_kind(value) in ("object", "array")
+
+
 def values_bound(value: msgspec.Raw) -> int:
     """At least the number of JSON values in a member, keys included: its commas, colons and
     opening brackets plus one (those inside strings count too). Counted in C, a chunk at a
-    time (no copy of the member)."""
+    time (one chunk copied at once, never the member): what is left once every other byte is
+    deleted, one pass over the chunk rather than one per character counted."""
     view = memoryview(value)
     total = 1
     for start in range(0, len(view), _COUNTED_CHUNK):
         chunk = bytes(view[start : start + _COUNTED_CHUNK])
-        total += chunk.count(b",") + chunk.count(b"[") + chunk.count(b"{") + chunk.count(b":")
+        total += len(chunk.translate(None, _UNCOUNTED))
     return total
 
 

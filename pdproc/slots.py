@@ -29,6 +29,10 @@ class Slots:
             if self._named[named_host] >= self._per_named_host:
                 return False
             self._named[named_host] += 1
+        if not self._free.locked():
+            # A free slot is taken without waiting: no timer for the usual case.
+            await self._free.acquire()
+            return True
         try:
             async with asyncio.timeout(wait_s):
                 await self._free.acquire()

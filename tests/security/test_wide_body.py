@@ -77,6 +77,16 @@ def test_the_bound_counts_every_value_at_least_once() -> None:
             elif isinstance(item, list):
                 pending.extend(item)
         assert values_bound(msgspec.Raw(text)) >= values
+        # What lets a member shorter than MAX_VALUES bytes go uncounted.
+        assert values_bound(msgspec.Raw(text)) <= len(text) + 1
+
+
+def test_a_member_just_past_the_bound_in_bytes_is_counted() -> None:
+    # [0,0,...] of MAX_VALUES values (about 2 * MAX_VALUES bytes) counts MAX_VALUES + 1:
+    # refused; one value fewer (still far longer than MAX_VALUES bytes) passes.
+    assert parse_body(b'{"x":[' + b",".join([b"0"] * (MAX_VALUES - 1)) + b"]}")
+    with pytest.raises(BodyError, match="JSON values"):
+        parse_body(b'{"x":[' + b",".join([b"0"] * MAX_VALUES) + b"]}")
 
 
 def test_values_up_to_the_bound_are_checked_exactly() -> None:

@@ -67,3 +67,10 @@ def test_what_each_pdproc_configuration_asks_of_pdproc_serve() -> None:
     # Bodies past pdproc's own limit: even pdproc-defaults gets room for them.
     big = replace(stack, max_body_bytes=17 * MiB)
     assert "--max-body-bytes" in _own_args("pdproc-defaults", big)
+
+
+def test_the_baseline_runs_with_the_flags_of_the_configuration_it_is_measured_against() -> None:
+    stack = options("--sizes", "1k,1m").stack()
+    assert _own_args("pdproc-baseline", stack) == _own_args("pdproc", stack)
+    like_defaults = options("--sizes", "1k,1m", "--baseline-like", "pdproc-defaults").stack()
+    assert _own_args("pdproc-baseline", like_defaults) == _own_args("pdproc-defaults", stack)

@@ -44,3 +44,56 @@ async def test_a_prefill_cancelled_before_it_started_is_counted_and_forgotten() 
     assert launcher.in_flight_by_rank(POD) == {}
     assert metrics.prefills.labels("cancelled")._value.get() == 1
     assert [o.outcome for _, o in seen] == [PrefillResult.CANCELLED]
+
+
+class _Wire:
+    """What aiohttp's writer hands the socket, one entry per write (each a syscall)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.pieces: list[object] = []
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.pieces.append(data)
+        self.writes.append(bytes(data))
+
+    def writelines(self, chunks: list[bytes]) -> None:
+        self.write(b"".join(chunks))
+
+    def is_closing(self) -> bool:
+        return False
+
+
+async def _written(body: Pieces) -> _Wire:
+    from aiohttp.base_protocol import BaseProtocol
+    from aiohttp.http_writer import StreamWriter
+    from multidict import CIMultiDict
+
+    from pdproc.prefill import _SentOnce
+
+    wire = _Wire()
+    protocol = BaseProtocol(asyncio.get_running_loop())
+    protocol.transport = wire  # type: ignore[assignment]
+    writer = StreamWriter(protocol, asyncio.get_running_loop())
+    await writer.write_headers("POST /v1/completions HTTP/1.1", CIMultiDict(host="pod"))
+    sent = asyncio.get_running_loop().create_future()
+    await _SentOnce(body, sent).write_with_length(writer, None)
+    assert sent.done()
+    return wire
+
+
+async def test_a_short_prefill_body_goes_out_with_the_request_head_in_one_write() -> None:
+    wire = await _written(Pieces((b'{"prompt":"hi"}',)))
+    assert len(wire.writes) == 1
+    assert wire.writes[0].startswith(b"POST ")
+    assert wire.writes[0].endswith(b'{"prompt":"hi"}')
+
+
+async def test_a_long_prompt_is_written_as_the_clients_bytes_after_the_head() -> None:
+    prompt = b"x" * (1024 * 1024)
+    view = memoryview(prompt)
+    wire = await _written(Pieces((view, b"}")))
+    assert wire.writes[0].startswith(b"POST ")
+    assert wire.writes[0].endswith(b"\r\n\r\n")
+    assert wire.pieces[1] is view  # handed on as the client's bytes: not joined, not copied
+    assert wire.writes[2] == b"}"
