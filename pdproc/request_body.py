@@ -75,7 +75,11 @@ _ENCODER = msgspec.json.Encoder()
 def parse_body(raw: ClientBytes) -> Members:
     """The client's request as a JSON object's members, or BodyError with a message for the
     client."""
-    _refuse_wide_object(raw)
+    # Every object member has a colon: a body with few of them (the usual one, whatever its
+    # size) holds no wide object anywhere, and skips the counts and copies that find one.
+    wide = raw.count(b":") > MAX_MEMBERS
+    if wide:
+        _refuse_wide_object(raw)
     try:
         members = _MEMBERS.decode(raw)
     except msgspec.ValidationError:
@@ -94,10 +98,10 @@ def parse_body(raw: ClientBytes) -> Members:
     for value in members.values():
         if ascii_only and value_kind(value) == "string":
             continue
-        _check_value(value)
+        _check_value(value, objects_as_arrays=wide)
     # After the values' bound: a carrier is decoded one level more.
     for path in NESTED_CARRIERS:
-        _refuse_nested_fields(members, path)
+        _refuse_nested_fields(members, path, wide=wide)
     return members
 
 
@@ -138,12 +142,12 @@ def _top_level_values() -> msgspec.json.Decoder[Any]:
     return msgspec.json.Decoder(values)
 
 
-def _refuse_nested_fields(members: Members, path: tuple[str, ...]) -> None:
+def _refuse_nested_fields(members: Members, path: tuple[str, ...], *, wide: bool) -> None:
     """BodyError if the object at `path` (from the body) has a gateway field."""
     current: Members | None = members
     for depth, name in enumerate(path, 1):
         value = current.get(name) if current is not None else None
-        if value is not None:
+        if value is not None and wide:
             _refuse_wide_object(value, ".".join(path[:depth]))
         current = _as_object(value) if value is not None else None
     if current is None:
@@ -171,14 +175,16 @@ def value_kind(value: msgspec.Raw) -> str:
     return {b"{": "object", b"[": "array", b'"': "string"}.get(first, "scalar")
 
 
-def _check_value(value: msgspec.Raw) -> None:
+def _check_value(value: msgspec.Raw, *, objects_as_arrays: bool) -> None:
     """Decode one member in full (msgspec, in C) and check what it holds (orjson's encoder,
     in C: it refuses integers beyond 64 bits and nesting beyond 254 levels, pdproc's own two
-    rules); a member of more values than MAX_VALUES is refused before it is decoded."""
+    rules); a member of more values than MAX_VALUES is refused before it is decoded.
+    `objects_as_arrays`: the body may hold a wide object, so its objects are decoded as
+    arrays (no dict of Python strings per object)."""
     if _may_exceed_values(value) and values_bound(value) > MAX_VALUES:
         raise BodyError(f"a request body field holds more than {MAX_VALUES} JSON values")
     try:
-        decoded = msgspec.json.decode(_objects_as_arrays(value))
+        decoded = msgspec.json.decode(_objects_as_arrays(value) if objects_as_arrays else value)
     except msgspec.DecodeError as exc:
         raise BodyError(f"invalid JSON body: {exc}") from None
     except RecursionError:
