@@ -2,8 +2,9 @@
 -- that reaches a pod. Only the gateway may put KV transfer fields into a request body: vLLM's
 -- kv_transfer_params and SGLang's bootstrap_host / bootstrap_port / bootstrap_room /
 -- bootstrap_pair_key / disagg_prefill_dp_rank / decode_tp_size / kv_router_hint tell a pod
--- where to pull KV from (and in what shape), so a client's own would aim it at any address. pdproc refuses a client's fields itself and marks
--- every body it checked with the dynamic metadata pdproc.body_checked = true. When that mark
+-- where to pull KV from (and in what shape), so a client's own would aim it at any address.
+-- pdproc refuses a client's fields itself and marks every body it checked with the dynamic
+-- metadata pdproc.body_checked = true. When that mark
 -- is missing (pdproc down, timed out or failed open, a request pdproc let through unchecked,
 -- or a route without pdproc), this guard refuses, with a 400, any body whose top-level JSON
 -- object has one of those keys (or vLLM's ec_transfer_params), or whose `vllm_xargs` or

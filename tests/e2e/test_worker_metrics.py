@@ -40,7 +40,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # A breaker's first cooldown is 1 s whatever --breaker-cooldown says; 30 s keeps an open
     # breaker nobody asks about from being forgotten while a test looks at it.
     args = ["--workers", "2", "--max-targets", str(MAX_TARGETS), "--breaker-failures", "1",
-            "--breaker-cooldown", "30", "--prefill-timeout", "30"]  # fmt: skip
+            "--breaker-cooldown", "30", "--prefill-timeout", "30",
+            "--prefill-allow", "127.0.0.0/8"]  # fmt: skip
     with running_stack(
         ["--itl-ms", "1"],
         args,
@@ -103,10 +104,13 @@ def test_a_closed_breaker_leaves_the_page(stack: Stack) -> None:
 
 
 def test_max_targets_bounds_the_page_across_workers(stack: Stack) -> None:
-    """Ports that refuse connections, each its own target: each opens a breaker in the
-    worker that tried it. The page names at most --max-targets of them, the rest `other`."""
-    for port in [refused_port() for _ in range(REFUSED_PORTS)]:
-        assert post(stack, f"127.0.0.1:{port}") == 502
+    """Ports that refuse connections, each its own target on its own loopback address (so
+    no host's breaker of never-served ports refuses the next one first): each opens a
+    breaker in the worker that tried it. The page names at most --max-targets of them, the
+    rest `other`."""
+    for index in range(REFUSED_PORTS):
+        host = f"127.0.0.{10 + index}"
+        assert post(stack, f"{host}:{refused_port(host)}") == 502
     open_breakers = series(stack, "pdproc_prefill_breaker_open")
     assert len(open_breakers) <= MAX_TARGETS + 1, open_breakers
     assert set(open_breakers.values()) == {1}
@@ -116,10 +120,10 @@ def test_max_targets_bounds_the_page_across_workers(stack: Stack) -> None:
     assert "Removal of labels has not been implemented" not in log
 
 
-def refused_port() -> int:
+def refused_port(host: str = "127.0.0.1") -> int:
     """A loopback port nothing listens on (just released by the kernel)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         port: int = sock.getsockname()[1]
     return port
 
