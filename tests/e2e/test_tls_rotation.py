@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import socket
 import ssl
 import tempfile
@@ -50,6 +49,7 @@ from pdproc_sim.devstack import (
 )
 
 from pdproc.targets import HostPort
+from tests.secret_volume import MountedSecret
 from tests.waiting import eventually
 
 from .conftest import one_stream_per_connection
@@ -125,42 +125,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     )
 
 
-class MountedSecret:
-    """A folder laid out as the kubelet mounts a Secret: `..<timestamp>/` holds the files,
-    `..data` points at it, and each key is a symlink `<key> -> ..data/<key>`."""
-
-    def __init__(self, root: Path, files: dict[str, bytes]) -> None:
-        self.root = root
-        self._generation = 0
-        root.mkdir()
-        self._current = self._write(files)
-        (root / "..data").symlink_to(self._current.name)
-        for name in files:
-            (root / name).symlink_to(f"..data/{name}")
-
-    def path(self, name: str) -> str:
-        return str(self.root / name)
-
-    def swap(self, files: dict[str, bytes]) -> None:
-        """The kubelet's atomic update: new folder, `..data` renamed over, old folder gone."""
-        fresh = self._write(files)
-        staged = self.root / "..data_tmp"
-        staged.symlink_to(fresh.name)
-        os.replace(staged, self.root / "..data")
-        for old in self._current.iterdir():
-            old.unlink()
-        self._current.rmdir()
-        self._current = fresh
-
-    def _write(self, files: dict[str, bytes]) -> Path:
-        self._generation += 1
-        folder = self.root / f"..2026_01_01_00_00_0{self._generation}.{os.getpid()}"
-        folder.mkdir()
-        for name, data in files.items():
-            (folder / name).write_bytes(data)
-        return folder
-
-
 def secret_files(server: Leaf, client_ca: bytes) -> dict[str, bytes]:
     return {"tls.crt": server.cert, "tls.key": server.key, "ca.crt": client_ca}
 
@@ -228,7 +192,8 @@ def rig(
             for path, payload in (("/sim/faults", {"clear": True}), ("/sim/reset", {})):
                 url = (sim.prefill if role == "prefill" else sim.decode).url()
                 httpx.post(url + path, json=payload, timeout=5).raise_for_status()
-        secret = MountedSecret(workdir / "secret", files)
+        secret = MountedSecret(workdir / "secret")
+        secret.publish(files)
         args = ["--prefill-allow", "127.0.0.1/32", "--mooncake-bootstrap-port",
                 str(sim.bootstrap.port), "--tls-cert", secret.path("tls.crt"), "--tls-key",
                 secret.path("tls.key"), "--tls-client-ca", secret.path("ca.crt"), *TLS_ARGS,
@@ -358,7 +323,7 @@ def rotate_server_under_load(rig: Rig, pki: Pki, workers: int) -> dict[str, Any]
     with Load(rig) as load:
         eventually(lambda: len(load.statuses) >= LOAD_MIN // 4, ROTATED_S, what="load started")
         rotated_at = len(load.statuses)
-        rig.secret.swap(secret_files(pki.server_b, pki.ca_a))
+        rig.secret.publish(secret_files(pki.server_b, pki.ca_a))
         rsa_after_reload = await_new_certificate_in_envoy(rig, workers)
         new_cert_at = len(load.statuses)
         load.settle()
@@ -502,7 +467,7 @@ def test_client_ca_rotated_away_stops_new_streams_not_those_in_flight(
         assert r.post(client).status_code == 200  # Envoy's connection is up, P/D works
         before, ejected_before = Before.read(r), r.envoy_stat(EJECTED)
         with Held(r) as held:
-            r.secret.swap(secret_files(pki.server_a, pki.ca_b))
+            r.secret.publish(secret_files(pki.server_a, pki.ca_b))
             eventually(lambda: reloads(r) >= 1, ROTATED_S, what="the client CA reloaded")
             # Envoy's connection is asked to go away, the new one is refused, and Envoy
             # fails the request open (the decode serves it alone).

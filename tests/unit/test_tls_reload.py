@@ -5,7 +5,6 @@ swapped by one rename), and fresh TLS handshakes that report the served certific
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import ssl
 from collections.abc import AsyncIterator
@@ -19,28 +18,11 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from pdproc.metrics import Metrics
 from pdproc.tls_reload import BadTlsFiles, TlsFiles, TlsReloader, parse_material
+from tests.secret_volume import MountedSecret
 
 
-class Secret:
-    """A Secret volume: every update is a new folder and an atomic swap of `..data`."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.generation = 0
-
-    def publish(self, files: dict[str, bytes]) -> None:
-        self.generation += 1
-        folder = self.root / f"..2026_{self.generation}"
-        folder.mkdir()
-        for name, data in files.items():
-            (folder / name).write_bytes(data)
-        tmp = self.root / "..data_tmp"
-        os.symlink(folder.name, tmp)
-        os.replace(tmp, self.root / "..data")
-        for name in files:
-            link = self.root / name
-            if not link.is_symlink():
-                os.symlink(f"..data/{name}", link)
+class Secret(MountedSecret):
+    """The Secret volume pdproc reads its TLS files from."""
 
     def files(self, client_ca: bool = True) -> TlsFiles:
         ca = str(self.root / "ca.crt") if client_ca else None
