@@ -14,7 +14,10 @@ pod is how many of its leading blocks that set holds. The choice:
 1. Only members whose load (prefills in flight, from the caller) is under a bound relative
    to the mean may be chosen: `load + 1 <= ceil(balance * (total load + 1) / members) +
    slack` (consistent hashing with bounded loads; the slack of one lets a nearly idle pool
-   keep its affinity): affinity never builds a hot spot.
+   keep its affinity), and whose share of the recent picks (a count that decays over about
+   the last 64) is under the same bound: in-flight counts alone stay small at modest
+   concurrency, and let one popular prompt's home take most of the requests one after the
+   other. Affinity never builds a hot spot.
 2. Among those, the lowest estimated wait wins: the prefills queued ahead (each costing the
    recent mean of blocks computed per prefill) plus the blocks the pod must compute (those
    past the longest prefix it holds). Ties go to the prompt's "home" order, a rendezvous
@@ -53,6 +56,13 @@ DEFAULT_SLACK = 1
 MIN_BLOCKS_PER_POD = 64
 _MASK64 = (1 << 64) - 1
 _WORK_WEIGHT = 0.05
+# Each pick multiplies every member's count of recent picks by this: the counts cover
+# about the last 1 / (1 - decay) picks (64), a window short enough to follow a shift in
+# popularity and long enough that one burst does not decide it.
+_SHARE_DECAY = 1 - 1 / 64
+# Below this many recent picks a pod is never held back by its share: a pool that has seen
+# only a few requests keeps their affinity.
+_SHARE_FLOOR = 4.0
 
 Pod = TypeVar("Pod", bound=Hashable)
 
@@ -158,7 +168,9 @@ class Prompt:
 class Choice(Generic[Pod]):
     pod: Pod
     matched_blocks: int  # leading blocks the pod was predicted to hold
-    reason: str  # "prefix" (a cached prefix won), "home", or "balance" (all candidates full)
+    # "prefix" (a cached prefix won), "home", or "balance" (no member was under both bounds:
+    # the load in flight decided)
+    reason: str
 
 
 class _PodBlocks:
@@ -217,6 +229,11 @@ class PrefixAffinity(Generic[Pod]):
         # what one prefill queued ahead costs.
         self._work = 1.0
         self._seeds: dict[Pod, int] = {}
+        # Recent picks per pod, for the share bound, kept in units that grow by 1 / decay
+        # each pick (so no pick has to decay every pod's count): a pod's decayed count is
+        # its entry / self._unit.
+        self._recent: dict[Pod, float] = {}
+        self._unit = 1.0
 
     def _seed(self, pod: Pod) -> int:
         seed = self._seeds.get(pod)
@@ -242,18 +259,47 @@ class PrefixAffinity(Generic[Pod]):
         closed); `load` their prefills in flight."""
         if not members:
             return None
-        loads = [load(pod) for pod in members]
+        eligible, reason = self._eligible(members, [load(pod) for pod in members])
+        best, best_matched = self._cheapest(prompt, eligible)
+        self._work += (len(prompt.keys) - best_matched - self._work) * _WORK_WEIGHT
+        self._count_pick(best)
+        self.record(best, prompt)
+        return Choice(best, best_matched, reason or ("prefix" if best_matched else "home"))
+
+    def _eligible(
+        self, members: Sequence[Pod], loads: list[int]
+    ) -> tuple[list[tuple[Pod, int]], str]:
+        """The members under both bounds, with their loads; when none is, those under the
+        bound in flight, and the reason "balance"."""
         bound = math.ceil(self.balance * (sum(loads) + 1) / len(members)) + self.slack
-        best: Pod | None = None
+        recent, unit = self._recent, self._unit
+        shares = [recent.get(pod, 0.0) / unit for pod in members]
+        share_bound = max(self.balance * (sum(shares) + 1) / len(members), _SHARE_FLOOR)
+        eligible = [
+            (pod, pod_load)
+            for pod, pod_load, share in zip(members, loads, shares, strict=True)
+            if pod_load + 1 <= bound and share + 1 <= share_bound
+        ]
+        if eligible:
+            return eligible, ""
+        # The two bounds can exclude every member (the least loaded now is not the least
+        # picked lately): the load in flight decides then, as it is what the prefill waits
+        # for (the least loaded member is always under its bound).
+        fallback = [(pod, n) for pod, n in zip(members, loads, strict=True) if n + 1 <= bound]
+        least = min(range(len(members)), key=loads.__getitem__)
+        return fallback or [(members[least], loads[least])], "balance"
+
+    def _cheapest(self, prompt: Prompt, eligible: Sequence[tuple[Pod, int]]) -> tuple[Pod, int]:
+        """The eligible pod with the lowest estimated wait, and its matched blocks; ties go
+        to the prompt's home order."""
+        best, _ = eligible[0]
         best_matched = 0
         best_cost = math.inf
         best_score = -1
         home = prompt.home_key
         keys = prompt.keys
         work = self._work
-        for pod, pod_load in zip(members, loads, strict=True):
-            if pod_load + 1 > bound:
-                continue
+        for pod, pod_load in eligible:
             blocks = self._pods.get(pod)
             matched = blocks.matched(keys) if blocks is not None else 0
             # What the prefill waits for there: the queue ahead (at the recent mean work of
@@ -262,16 +308,17 @@ class PrefixAffinity(Generic[Pod]):
             score = _mix(home ^ self._seed(pod))
             if cost < best_cost or (cost == best_cost and score > best_score):
                 best, best_matched, best_cost, best_score = pod, matched, cost, score
-        if best is None:
-            # Unreachable while balance >= 1 (the least loaded member is always under the
-            # bound); kept so a caller's odd load function cannot make the choice fail.
-            index = min(range(len(members)), key=loads.__getitem__)
-            best, best_matched, reason = members[index], 0, "balance"
-        else:
-            reason = "prefix" if best_matched else "home"
-        self._work += (len(keys) - best_matched - self._work) * _WORK_WEIGHT
-        self.record(best, prompt)
-        return Choice(best, best_matched, reason)
+        return best, best_matched
+
+    def _count_pick(self, pod: Pod) -> None:
+        """One more recent pick for `pod`, every older one weighing a little less."""
+        recent = self._recent
+        self._unit /= _SHARE_DECAY
+        recent[pod] = recent.get(pod, 0.0) + self._unit
+        if self._unit > 1e150:  # rescale long before a float overflows
+            for other in recent:
+                recent[other] /= self._unit
+            self._unit = 1.0
 
     def record(self, pod: Pod, prompt: Prompt) -> None:
         """The pod computes (or finds) the prompt's blocks: they are its most recent now."""
@@ -302,6 +349,8 @@ class PrefixAffinity(Generic[Pod]):
         keep = set(members)
         for pod in [pod for pod in self._pods if pod not in keep]:
             del self._pods[pod]
+        for pod in [pod for pod in self._recent if pod not in keep]:
+            del self._recent[pod]
 
     def known(self) -> Mapping[Pod, int]:
         """Blocks remembered per pod."""

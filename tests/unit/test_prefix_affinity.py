@@ -211,3 +211,37 @@ def test_a_prompt_is_keyed_from_views_of_the_body() -> None:
     prompt = Prompt.of(parse_body(raw))
     assert prompt.keys == tuple(block_keys(prompt_bytes(parse_body(raw))))
     assert prompt.size == len(prompt_bytes(parse_body(raw)))
+
+
+def test_a_popular_prompt_sent_one_at_a_time_is_spread_by_the_share_bound() -> None:
+    # Nothing is ever in flight here, so the bound on prefills in flight never bites: only
+    # the share of recent picks keeps the prompt's home from getting every request.
+    affinity: PrefixAffinity[str] = PrefixAffinity()
+    prompt = Prompt.of(chat(("user", "the same question every time")))
+    picks = [affinity.choose(prompt, PODS, idle) for _ in range(400)]
+    counts = {pod: sum(1 for p in picks if p is not None and p.pod == pod) for pod in PODS}
+    mean = 400 / len(PODS)
+    assert max(counts.values()) <= 1.25 * mean + 8
+    home = affinity.home_order(prompt, PODS)[0]
+    assert counts[home] == max(counts.values())  # affinity still prefers the home
+
+
+def test_the_share_bound_keeps_conversations_where_they_are_when_load_is_even() -> None:
+    affinity: PrefixAffinity[str] = PrefixAffinity()
+    conversations = [chat(system=f"system {i} " * 40) for i in range(40)]
+    first = [affinity.choose(Prompt.of(c), PODS, idle) for c in conversations]
+    again = [affinity.choose(Prompt.of(c), PODS, idle) for c in conversations]
+    stayed = sum(1 for a, b in zip(first, again, strict=True) if a and b and a.pod == b.pod)
+    assert stayed >= 36
+
+
+def test_the_share_bound_still_holds_after_a_long_run() -> None:
+    # Past ~22,000 picks the decayed counts are rescaled: the bound must read the same.
+    affinity: PrefixAffinity[str] = PrefixAffinity()
+    prompt = Prompt.of(chat(("user", "the same question every time")))
+    for _ in range(23_000):
+        affinity.choose(prompt, PODS, idle)
+    picks = [affinity.choose(prompt, PODS, idle) for _ in range(400)]
+    counts = [sum(1 for p in picks if p is not None and p.pod == pod) for pod in PODS]
+    assert max(counts) <= 1.25 * 100 + 8
+    assert min(counts) > 0
