@@ -73,14 +73,10 @@ class PrefixPool:
         balance: float,
         on_choice: Callable[[str], None] | None = None,
         on_index: Callable[[int], None] | None = None,
-        reads_answers: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._clock = clock
         self._failed: dict[HostPort, float] = {}
-        # Whether prefill answers come back read (a sequential connector's): then each
-        # prediction waits for the pod's own count of cached tokens.
-        self._reads_answers = reads_answers
         self._predictions: collections.OrderedDict[str, tuple[HostPort, int, Prompt]] = (
             collections.OrderedDict()
         )
@@ -107,7 +103,8 @@ class PrefixPool:
             return provisional
         # (A suspect provisional pick is left for the one the policy named.)
         self._chose(choice.reason)
-        if self._reads_answers and request.request_id:
+        if request.request_id:
+            # Kept until the prefill's answer says how much the pod found cached.
             predictions = self._predictions
             predictions[request.request_id] = (choice.pod, choice.matched_blocks, prompt)
             if len(predictions) > _PREDICTIONS_CAP:

@@ -53,6 +53,9 @@ MAX_SUCCESS_BODY_BYTES = 256 * 1024
 MAX_ANSWER_BYTES = 1024 * 1024
 # Reading the rest of a successful answer never takes longer than this.
 DRAIN_TIMEOUT_S = 5.0
+# Of a successful answer that is otherwise only drained, the start is kept when the pool
+# policy wants the pod's count of cached tokens (a one-token answer is well under 1 KiB).
+USAGE_ANSWER_BYTES = 16 * 1024
 
 # Never copied onto the prefill request: pseudo-headers (":"-prefixed) are dropped as well,
 # and so is anything pdproc sets itself.
@@ -176,6 +179,8 @@ class PrefillJob:
 
 
 OutcomeHook = Callable[[PrefillJob, PrefillOutcome], None]
+# A successful answer's start (at most USAGE_ANSWER_BYTES), once read after its status line.
+AnswerHook = Callable[[PrefillJob, bytes], None]
 
 
 class PrefillLauncher:
@@ -188,11 +193,14 @@ class PrefillLauncher:
         tracing: Tracing | None = None,
         log_bodies: bool = False,
         on_outcome: OutcomeHook | None = None,
+        on_answer: AnswerHook | None = None,
         slots: Slots | None = None,
         named_host: Callable[[HostPort], str | None] = lambda target: None,
     ) -> None:
         """`on_outcome` is told every prefill's outcome once it is known (after it has been
         counted and logged): what it teaches about the pod (breakers, engine maps).
+        `on_answer` is given the start of each successful answer that is otherwise only
+        drained (the pod's own count of cached tokens is in it).
         `slots` bound pdproc's connections (`named_host`: the host of a target only a
         request header named, None for a pool member)."""
         self._client = client
@@ -201,6 +209,7 @@ class PrefillLauncher:
         self._tracing = tracing or Tracing(None)
         self._log_bodies = log_bodies
         self._on_outcome = on_outcome
+        self._on_answer = on_answer
         self._slots = slots or Slots(1 << 30, 1 << 30)
         self._named_host = named_host
         self._tasks: set[asyncio.Task[None]] = set()
@@ -300,7 +309,9 @@ class PrefillLauncher:
                     url, data=body, headers=headers, allow_redirects=False
                 )
                 async with response:
-                    await _read_answer(job, response, deadline)
+                    kept = await _read_answer(job, response, deadline, self._on_answer is not None)
+            if kept is not None and self._on_answer is not None:
+                self._on_answer(job, kept)
         except aiohttp.ConnectionTimeoutError as exc:
             # No connection within its bound (a silent node): the pod is down, no timeout.
             _settle(job, PrefillResult.CONNECT_ERROR, error=str(exc) or "connect timed out")
@@ -379,9 +390,10 @@ def _settle(job: PrefillJob, outcome: PrefillResult, **kw: Any) -> None:
 
 
 async def _read_answer(
-    job: PrefillJob, response: aiohttp.ClientResponse, deadline: asyncio.Timeout
-) -> None:
-    """Settle the job from the prefill's answer."""
+    job: PrefillJob, response: aiohttp.ClientResponse, deadline: asyncio.Timeout, keep: bool
+) -> bytes | None:
+    """Settle the job from the prefill's answer; with `keep`, the start of a successful
+    answer that is otherwise drained is returned (None when it was longer)."""
     status = response.status
     if job.keep_answer and not 300 <= status < 400:
         await _keep_answer(job, response)
@@ -390,9 +402,16 @@ async def _read_answer(
         # Read the (small) rest so the connection can be reused: bounded in size and time,
         # and the outcome is already known.
         deadline.reschedule(min(deadline.when() or 0.0, _now() + DRAIN_TIMEOUT_S))
-        await discard(response.content, MAX_SUCCESS_BODY_BYTES)
+        if not keep:
+            await discard(response.content, MAX_SUCCESS_BODY_BYTES)
+            return None
+        start = await read_at_most(response.content, USAGE_ANSWER_BYTES)
+        if len(start) <= USAGE_ANSWER_BYTES:
+            return start
+        await discard(response.content, MAX_SUCCESS_BODY_BYTES - len(start))
     else:
         await _settle_refusal(job, response)
+    return None
 
 
 async def _keep_answer(job: PrefillJob, response: aiohttp.ClientResponse) -> None:

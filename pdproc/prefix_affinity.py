@@ -15,9 +15,9 @@ pod is how many of its leading blocks that set holds. The choice:
    to the mean may be chosen: `load + 1 <= ceil(balance * (total load + 1) / members) +
    slack` (consistent hashing with bounded loads; the slack of one lets a nearly idle pool
    keep its affinity), and whose share of the recent picks (a count that decays over about
-   the last 64) is under the same bound: in-flight counts alone stay small at modest
-   concurrency, and let one popular prompt's home take most of the requests one after the
-   other. Affinity never builds a hot spot.
+   the last 64) is under the same bound unless it is idle: in-flight counts alone stay
+   small at modest concurrency, and let one popular prompt's home take most of the
+   requests one after the other. Affinity never builds a hot spot.
 2. Among those, the lowest estimated wait wins: the prefills queued ahead (each costing the
    recent mean of blocks computed per prefill) plus the blocks the pod must compute (those
    past the longest prefix it holds). Ties go to the prompt's "home" order, a rendezvous
@@ -278,7 +278,9 @@ class PrefixAffinity(Generic[Pod]):
         eligible = [
             (pod, pod_load)
             for pod, pod_load, share in zip(members, loads, shares, strict=True)
-            if pod_load + 1 <= bound and share + 1 <= share_bound
+            # An idle pod is never held back by its share: spreading a lone stream of
+            # requests over idle pods would only throw their cache hits away.
+            if pod_load + 1 <= bound and (share + 1 <= share_bound or not pod_load)
         ]
         if eligible:
             return eligible, ""

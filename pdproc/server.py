@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdproc import limits, pod_http
 from pdproc.breaker import CircuitBreakers
-from pdproc.config import KvConnector, Settings
+from pdproc.config import KvConnector, PoolPolicy, Settings
 from pdproc.connectors import Connector
 from pdproc.connectors.mooncake import Mooncake
 from pdproc.connectors.nixlv2 import NixlV2
@@ -121,6 +121,7 @@ class Server:
             tracing=self.tracing,
             log_bodies=s.log_bodies,
             on_outcome=self._prefill_ended(pod_feedback(breakers, engines, unproven)),
+            on_answer=self._prefill_answered if s.pool_policy is PoolPolicy.PREFIX else None,
             slots=Slots(s.max_prefill_connections, s.max_named_host_connections),
             # Only never-served header-named ports share a host's bound: a pod that has
             # answered (or a pool member) may use as many connections as its traffic needs.
@@ -217,6 +218,10 @@ class Server:
                 self.service.prefill_ended(job, outcome)
 
         return on_outcome
+
+    def _prefill_answered(self, job: PrefillJob, answer: bytes) -> None:
+        if self.service is not None:
+            self.service.prefill_answered(job, answer)
 
     def _breaker_changed(self, target: HostPort, is_open: bool) -> None:
         self.metrics.breaker_changed(target, is_open)

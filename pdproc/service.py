@@ -108,7 +108,6 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 balance=settings.prefix_balance,
                 on_choice=lambda reason: metrics.pool_choices.labels(reason).inc(),
                 on_index=metrics.prefix_index_blocks.set,
-                reads_answers=not isinstance(connector, Concurrent),
             )
         self.deps = Deps(
             settings=settings,
@@ -255,10 +254,18 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def prefill_ended(self, job: PrefillJob, outcome: PrefillOutcome) -> None:
         if self.prefix_pool is None:
             return
-        self.prefix_pool.answered(job.request_id, job.target, outcome.answer)
+        if outcome.answer is not None or not outcome.ok:
+            # A sequential connector's answer is in its outcome; a concurrent one's success
+            # is read after its status line (prefill_answered).
+            self.prefix_pool.answered(job.request_id, job.target, outcome.answer)
         verdict = of_prefill(outcome.outcome)
         if verdict in (Verdict.DOWN, Verdict.FAILED) and self.is_pool_member(job.target):
             self.prefix_pool.prefill_failed(job.target)
+
+    def prefill_answered(self, job: PrefillJob, answer: bytes) -> None:
+        """The start of a successful answer the prefill's status line had settled."""
+        if self.prefix_pool is not None:
+            self.prefix_pool.answered(job.request_id, job.target, answer)
 
     def breaker_changed(self, target: HostPort, is_open: bool) -> None:
         if is_open and self.prefix_pool is not None:

@@ -16,6 +16,7 @@ from pdproc_sim.devstack import Envoy, scrape_metric, start_envoy, start_pdproc
 from pdproc_sim.poolstack import SimPool, running_pool
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdproc.prefix_affinity import MIN_BLOCKS_PER_POD
 from pdproc.targets import HostPort
 
 pytestmark = pytest.mark.e2e
@@ -160,3 +161,33 @@ def test_nixl_pool_reads_the_cached_tokens_each_prefill_reports(tmp_path: Path) 
         where = served_by(pool)
         assert all(len(pods) == 1 for pods in where.values()), where
         assert cache_hits(pool) >= 6 * 2 * len(SYSTEM) // 4 * 0.9
+
+
+@pytest.mark.parametrize("connector", ["mooncake", "nixlv2"])
+def test_pods_that_evict_sooner_shrink_what_pdproc_remembers(
+    tmp_path: Path, connector: str
+) -> None:
+    """Pods whose prefix cache holds almost nothing answer with few cached tokens: for
+    every connector (Mooncake's answer is read after its status line, NIXL's whole), that
+    reaches the policy, whose per-pod sets shrink to what such pods keep instead of
+    remembering every block routed to them. Pods with room keep what was routed."""
+    args = ("--kv-connector", connector)
+
+    def remembered(cache_blocks: str) -> float:
+        metrics: list[HostPort] = []
+        prefill_args = ("--prefix-cache-blocks", cache_blocks, *args)
+        workdir = tmp_path / cache_blocks
+        workdir.mkdir()
+        with (
+            running_pool(workdir, 2, prefill_args=prefill_args, decode_args=args) as pool,
+            pool_front(workdir, pool, args=args, metrics=metrics) as envoy,
+            httpx.Client(timeout=30) as client,
+        ):
+            for i in range(6):
+                conversation_turns(client, envoy.url, f"conv{i}", 4, f"{i} {SYSTEM * 3}")
+            return scrape_metric(metrics[0], "pdproc_prefix_index_blocks")
+
+    roomy = remembered("4096")
+    tiny = remembered("4")  # 64 tokens: the pods keep next to nothing
+    assert roomy > 2 * MIN_BLOCKS_PER_POD
+    assert tiny <= 2 * MIN_BLOCKS_PER_POD, (roomy, tiny)

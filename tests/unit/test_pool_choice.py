@@ -26,7 +26,7 @@ def body(question: str, model: str = "m", request_id: str = "") -> ClientRequest
 
 
 class World:
-    def __init__(self, *, reads_answers: bool = False) -> None:
+    def __init__(self) -> None:
         self.members = list(PODS)
         self.open: set[HostPort] = set()
         self.refused: set[HostPort] = set()
@@ -40,7 +40,6 @@ class World:
             blocks_per_pod=1000,
             balance=1.25,
             on_choice=self.reasons.append,
-            reads_answers=reads_answers,
         )
 
 
@@ -114,7 +113,7 @@ def test_cached_share_of_any_answer_is_a_share_or_none(raw: bytes) -> None:
 
 def test_a_pod_reporting_fewer_cached_tokens_than_predicted_shrinks_its_set() -> None:
     def remembered(cached: int) -> int:
-        w = World(reads_answers=True)
+        w = World()
         home = w.pool.refine(body("q0", request_id="r0"), PODS[0])
         for index in range(1, 40):
             question = f"q{index} " * 200  # blocks of its own beyond the system prompt's
@@ -128,7 +127,7 @@ def test_a_pod_reporting_fewer_cached_tokens_than_predicted_shrinks_its_set() ->
 
 
 def test_answers_without_a_prediction_or_from_another_pod_teach_nothing() -> None:
-    w = World(reads_answers=True)
+    w = World()
     home = w.pool.refine(body("q0", request_id="r0"), PODS[0])
     w.pool.refine(body("q1", request_id="r1"), PODS[0])
     before = dict(w.pool.affinity.known())

@@ -213,12 +213,16 @@ def test_a_prompt_is_keyed_from_views_of_the_body() -> None:
     assert prompt.size == len(prompt_bytes(parse_body(raw)))
 
 
-def test_a_popular_prompt_sent_one_at_a_time_is_spread_by_the_share_bound() -> None:
-    # Nothing is ever in flight here, so the bound on prefills in flight never bites: only
-    # the share of recent picks keeps the prompt's home from getting every request.
+def busy(_: str) -> int:
+    return 1
+
+
+def test_a_popular_prompt_on_a_busy_pool_is_spread_by_the_share_bound() -> None:
+    # Every pod has one prefill in flight here, so the bound on prefills in flight never
+    # bites: only the share of recent picks keeps the prompt's home from getting them all.
     affinity: PrefixAffinity[str] = PrefixAffinity()
     prompt = Prompt.of(chat(("user", "the same question every time")))
-    picks = [affinity.choose(prompt, PODS, idle) for _ in range(400)]
+    picks = [affinity.choose(prompt, PODS, busy) for _ in range(400)]
     counts = {pod: sum(1 for p in picks if p is not None and p.pod == pod) for pod in PODS}
     mean = 400 / len(PODS)
     assert max(counts.values()) <= 1.25 * mean + 8
@@ -240,8 +244,20 @@ def test_the_share_bound_still_holds_after_a_long_run() -> None:
     affinity: PrefixAffinity[str] = PrefixAffinity()
     prompt = Prompt.of(chat(("user", "the same question every time")))
     for _ in range(23_000):
-        affinity.choose(prompt, PODS, idle)
-    picks = [affinity.choose(prompt, PODS, idle) for _ in range(400)]
+        affinity.choose(prompt, PODS, busy)
+    picks = [affinity.choose(prompt, PODS, busy) for _ in range(400)]
     counts = [sum(1 for p in picks if p is not None and p.pod == pod) for pod in PODS]
     assert max(counts) <= 1.25 * 100 + 8
     assert min(counts) > 0
+
+
+def test_one_conversation_on_an_idle_pool_stays_on_its_pod() -> None:
+    affinity: PrefixAffinity[str] = PrefixAffinity()
+    turns: list[tuple[str, str]] = []
+    pods = set()
+    for index in range(50):
+        turns += [("user", f"question {index}"), ("assistant", f"answer {index}")]
+        choice = affinity.choose(Prompt.of(chat(*turns)), PODS, idle)
+        assert choice is not None
+        pods.add(choice.pod)
+    assert len(pods) == 1
