@@ -114,7 +114,8 @@ _OVERRIDE_HOST = """\
       - typed_extension_config:
           name: envoy.load_balancing_policies.override_host
           typed_config:
-            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.\
+override_host.v3.OverrideHost
             override_host_sources:
             - metadata: {key: pdproc, path: [{key: decode_endpoint}]}
             fallback_policy:
@@ -122,7 +123,8 @@ _OVERRIDE_HOST = """\
               - typed_extension_config:
                   name: envoy.load_balancing_policies.least_request
                   typed_config:
-                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest"""
+                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.\
+least_request.v3.LeastRequest"""
 
 # The header gateways use to name an endpoint (the Gateway API inference extension's): never
 # taken from a client. Removed before anything else runs, so that whatever reads it later
@@ -135,7 +137,8 @@ _DESTINATION_STRIP = (
           # is dropped first, whatever filter or pdproc does next.
           - name: envoy.filters.http.header_mutation
             typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.\
+HeaderMutation
               mutations:
                 request_mutations:
                 - remove: """

@@ -168,7 +168,8 @@ def test_decode_choice_routes_on_pdproc_metadata_and_strips_the_client_header(
         mutations = first["typed_config"]["mutations"]["request_mutations"]
         assert mutations == [{"remove": "x-gateway-destination-endpoint"}]
         decode = config["static_resources"]["clusters"][0]
-        assert decode["name"] == "decode" and "lb_policy" not in decode
+        assert decode["name"] == "decode"
+        assert "lb_policy" not in decode
         policy = decode["load_balancing_policy"]["policies"][0]["typed_extension_config"]
         assert policy["name"] == "envoy.load_balancing_policies.override_host"
         assert policy["typed_config"]["override_host_sources"] == [
