@@ -127,9 +127,7 @@ def test_a_conversation_stays_on_the_decode_that_holds_it(tmp_path: Path) -> Non
     ):
         names = [f"conv{i}" for i in range(12)]
         for index, name in enumerate(names):
-            messages: list[dict[str, Any]] = [
-                {"role": "system", "content": f"{index} {SYSTEM}"}
-            ]
+            messages: list[dict[str, Any]] = [{"role": "system", "content": f"{index} {SYSTEM}"}]
             for number in range(3):
                 turn(client, envoy.url, messages, f"{name}: question {number} " * 8)
         where = served_by(pool)
