@@ -379,6 +379,15 @@ def _tls_socket(options: EnvoyOptions) -> str:
     )
 
 
+def _decode_routing(options: EnvoyOptions) -> dict[str, str]:
+    """How the decode cluster picks its host: its own least request, or pdproc's choice."""
+    return {
+        "decode_type": _cluster_type(options.decode),
+        "decode_lb_policy": _OVERRIDE_HOST if options.decode_choice else _LEAST_REQUEST,
+        "decode_header_strip": _DESTINATION_STRIP if options.decode_choice else "",
+    }
+
+
 def render(options: EnvoyOptions) -> str:
     template = Template(
         resources.files("pdproc.envoy_config").joinpath("bootstrap.yaml.tmpl").read_text("utf-8")
@@ -419,9 +428,7 @@ def render(options: EnvoyOptions) -> str:
         request_headers_timeout_s=_seconds(options.request_headers_timeout_s),
         request_timeout_s=_seconds(options.request_timeout_s),
         max_message_timeout_s=_seconds(options.max_message_timeout_s),
-        decode_type=_cluster_type(options.decode),
-        decode_lb_policy=_OVERRIDE_HOST if options.decode_choice else _LEAST_REQUEST,
-        decode_header_strip=_DESTINATION_STRIP if options.decode_choice else "",
+        **_decode_routing(options),
         processor_type=_cluster_type(options.processor),
         decode_endpoints=_endpoints(options.decode),
         processor_endpoints=_endpoints(options.processor),
