@@ -16,7 +16,10 @@ Configurations, each started fresh (empty caches) for every run, runs interleave
 - `random`         vllm-router, --prefill-policy random (decode round robin)
 - `least-loaded`   Envoy + pdproc --pool-policy least-loaded (the old pool choice)
 - `prefix`         Envoy + pdproc (the default: prefix policy), 1 worker
-- `prefix-2w`      the same with --workers 2 (each process its own index)
+- `prefix-decode`  prefix, and pdproc names the decode too (--decode-choice prefix; Envoy's
+                   decode cluster routes on it): a turn goes to the decode holding its
+                   history, and skips P/D when that decode holds 80 % of the prompt
+- `prefix-2w`      the same as prefix with --workers 2 (each process its own index)
 - `cache-aware`    vllm-router --prefill-policy cache_aware (decode round robin)
 
 Per run, from the pods' own vLLM-named metrics: prefill tokens computed and found cached
@@ -51,12 +54,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.stack import cpu_delta, router_binary, tree_cpu
 from pdproc.targets import HostPort
 
-CONFIGS = ("random", "least-loaded", "prefix", "prefix-2w", "cache-aware")
+CONFIGS = ("random", "least-loaded", "prefix", "prefix-decode", "prefix-2w", "cache-aware")
 PDPROC_ARGS = {
     "least-loaded": ["--pool-policy", "least-loaded"],
     "prefix": [],
+    "prefix-decode": ["--decode-choice", "prefix"],
     "prefix-2w": ["--workers", "2"],
 }
+# Configurations whose Envoy routes on pdproc's decode choice (pdproc is told the decodes).
+DECODE_CHOICE = frozenset({"prefix-decode"})
 ROUTER_POLICY = {"random": "random", "cache-aware": "cache_aware"}
 
 
@@ -130,6 +136,7 @@ class Run:
     cpu_s: float | None = None
     rss_mib: float | None = None
     index_blocks: float | None = None  # pdproc_prefix_index_blocks at the end
+    decode_cached: float | None = None  # requests a decode served alone, holding the prompt
     wall_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
@@ -152,6 +159,7 @@ class Run:
             "cpu_s": self.cpu_s,
             "rss_mib": self.rss_mib,
             "index_blocks": self.index_blocks,
+            "decode_cached": self.decode_cached,
             "wall_s": self.wall_s,
         }
 
@@ -263,11 +271,16 @@ def _front(config: str, pool: SimPool, workdir: Path) -> Iterator[tuple[str, int
             args += ["--mooncake-bootstrap-port", str(pool.bootstrap_port)]
             for member in pool.prefills:
                 args += ["--prefill", str(member)]
+            choice = config in DECODE_CHOICE
+            for decode in pool.decodes if choice else ():
+                args += ["--decode", str(decode)]
             proc, addr, metrics = devstack.start_pdproc(
                 workdir, [*args, *PDPROC_ARGS[config]], name=f"pdproc-{config}"
             )
             procs.append(proc)
-            envoy = devstack.start_envoy(workdir, pool.decodes, [addr])
+            envoy = devstack.start_envoy(
+                workdir, pool.decodes, [addr], extra_options={"decode_choice": choice}
+            )
             procs.append(envoy.process)
             yield envoy.url, proc.popen.pid, metrics
         else:
@@ -334,6 +347,9 @@ def one_run(
         _read_pods(pool, run)
         if metrics is not None:
             run.index_blocks = devstack.scrape_metric(metrics, "pdproc_prefix_index_blocks")
+            run.decode_cached = devstack.scrape_metric(
+                metrics, "pdproc_requests_total", outcome="decode_cached"
+            )
     return run
 
 
@@ -343,8 +359,9 @@ def table(summaries: list[dict[str, Any]], configs: Sequence[str]) -> str:
     lines = [
         "| workload | config | prefill tokens computed | vs least-loaded | hit rate | KV "
         "tokens transferred | TTFT p50 s | p50 vs LL | TTFT p99 s | p99 vs LL | prefills/pod "
-        "max/mean | computed/pod max/mean | CPU s | RSS MiB | index blocks | errors |",
-        "|" + "---|" * 16,
+        "max/mean | computed/pod max/mean | CPU s | RSS MiB | index blocks | P/D skipped | "
+        "errors |",
+        "|" + "---|" * 17,
     ]
     workloads = sorted({s["workload"] for s in summaries}, key=list(WORKLOADS).index)
     for workload in workloads:
@@ -397,6 +414,7 @@ def _row(
         _fmt(_median(rows, "cpu_s")),
         _fmt(_median(rows, "rss_mib"), 0),
         _fmt(_median(rows, "index_blocks"), 0),
+        _fmt(_median(rows, "decode_cached"), 0),
         str(sum(r["errors"] for r in rows)),
     ]
     return "| " + " | ".join(cells) + " |"
