@@ -22,12 +22,16 @@ Configurations, each started fresh (empty caches) for every run, runs interleave
 - `prefix-2w`      the same as prefix with --workers 2 (each process its own index)
 - `cache-aware`    vllm-router --prefill-policy cache_aware (decode round robin)
 
-Per run, from the pods' own vLLM-named metrics: prefill tokens computed and found cached
-(`vllm:prompt_tokens_by_source_total`), KV tokens transferred (the decodes'
-external_kv_transfer), prefills per pod (max / mean); from the client: TTFT p50 / p99 over
-streamed answers; from /proc: the processor's CPU seconds (pdproc, or vllm-router) and
-resident memory at the end. The table gives each configuration's median over the rounds
-and, for the ratios against least-loaded (measured in the same rounds), the min-max spread.
+Per run, from the pods' own vLLM-named metrics (`vllm:prompt_tokens_by_source_total`):
+prompt tokens computed (by the prefill pods, plus by decodes serving a request alone:
+their local_compute, which is 0 while every request is disaggregated), of them by decodes,
+the prefill pods' hit rate, KV tokens transferred (the decodes' external_kv_transfer: what
+they pulled from a prefill, the blocks they held already not counted), prefills per pod
+(max / mean), requests a decode served alone holding the prompt (P/D skipped); from the
+client: TTFT p50 / p99 over streamed answers; from /proc: the processor's CPU seconds
+(pdproc, or vllm-router) and resident memory at the end. The table gives each
+configuration's median over the rounds and, for the ratios against least-loaded (measured
+in the same rounds), the min-max spread.
 """
 
 from __future__ import annotations
@@ -131,6 +135,7 @@ class Run:
     computed: float = 0.0
     cached: float = 0.0
     kv_transferred: float = 0.0
+    decode_computed: float = 0.0  # prompt tokens decodes computed serving requests alone
     prefills_per_pod: list[float] = field(default_factory=list)
     computed_per_pod: list[float] = field(default_factory=list)
     cpu_s: float | None = None
@@ -150,6 +155,8 @@ class Run:
             "requests": self.requests,
             "errors": self.errors,
             "prefill_computed": self.computed,
+            "decode_computed": self.decode_computed,
+            "prompt_computed": self.computed + self.decode_computed,
             "hit_rate": self.cached / max(1.0, self.cached + self.computed),
             "kv_transferred": self.kv_transferred,
             "ttft_p50": _quantile(ttft, 0.5),
@@ -255,10 +262,13 @@ def _read_pods(pool: SimPool, run: Run) -> None:
         run.prefills_per_pod.append(sum(stats["served_per_rank"].values()))
     for decode in pool.decodes:
         for name, labels, value in _samples(decode.url()):
-            if name == "vllm:prompt_tokens_by_source_total" and (
-                labels["source"] == "external_kv_transfer"
-            ):
+            if name != "vllm:prompt_tokens_by_source_total":
+                continue
+            if labels["source"] == "external_kv_transfer":
                 run.kv_transferred += value
+            elif labels["source"] == "local_compute":
+                # A decode serving a request alone computes what it lacks: prompt work too.
+                run.decode_computed += value
 
 
 @contextlib.contextmanager
@@ -357,11 +367,12 @@ def table(summaries: list[dict[str, Any]], configs: Sequence[str]) -> str:
     """Medians per configuration and workload; ratios against least-loaded of the same
     round, median with the min-max spread."""
     lines = [
-        "| workload | config | prefill tokens computed | vs least-loaded | hit rate | KV "
+        "| workload | config | prompt tokens computed | vs least-loaded | of them by decodes | "
+        "prefill hit rate | KV "
         "tokens transferred | TTFT p50 s | p50 vs LL | TTFT p99 s | p99 vs LL | prefills/pod "
         "max/mean | computed/pod max/mean | CPU s | RSS MiB | index blocks | P/D skipped | "
         "errors |",
-        "|" + "---|" * 17,
+        "|" + "---|" * 18,
     ]
     workloads = sorted({s["workload"] for s in summaries}, key=list(WORKLOADS).index)
     for workload in workloads:
@@ -401,8 +412,9 @@ def _row(
     cells = [
         workload,
         config,
-        _fmt(_median(rows, "prefill_computed"), 0),
-        _ratio(rows, base, "prefill_computed"),
+        _fmt(_median(rows, "prompt_computed"), 0),
+        _ratio(rows, base, "prompt_computed"),
+        _fmt(_median(rows, "decode_computed"), 0),
         _fmt(_median(rows, "hit_rate")),
         _fmt(_median(rows, "kv_transferred"), 0),
         _fmt(_median(rows, "ttft_p50"), 3),
