@@ -272,7 +272,8 @@ class Settings:
         0.8,
         "--decode-choice prefix: when the chosen decode holds at least this share of the "
         "prompt's blocks, it serves the request alone, without a prefill (counted "
-        "decode_cached; 0 or more than 1: never).",
+        "decode_cached; 0 or more than 1: never; never with --kv-connector sglang, whose "
+        "decodes serve no request alone).",
         _non_negative,
     )
     kv_connector: KvConnector = _setting(

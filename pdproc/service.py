@@ -16,7 +16,7 @@ from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.breaker import CircuitBreakers
 from pdproc.budget import ByteBudget
-from pdproc.config import BootstrapPolicy, DecodeChoice, PoolPolicy, Settings
+from pdproc.config import BootstrapPolicy, DecodeChoice, KvConnector, PoolPolicy, Settings
 from pdproc.connectors import ClientRequest, Concurrent, Connector
 from pdproc.decode_choice import DecodePick, DecodePool
 from pdproc.discovery import DnsPool
@@ -120,7 +120,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 self.decodes,
                 blocks_per_pod=settings.prefix_blocks_per_pod,
                 balance=settings.prefix_balance,
-                skip_fraction=settings.decode_skip_pd_fraction,
+                skip_fraction=_skip_fraction(settings),
                 on_choice=lambda reason: metrics.decode_choices.labels(reason).inc(),
             )
         self.deps = Deps(
@@ -299,6 +299,14 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return target in self._static_pool or (
             self.dns_pool is not None and target in self.dns_pool.members
         )
+
+
+def _skip_fraction(settings: Settings) -> float:
+    """--decode-skip-pd-fraction, unless the decodes cannot serve a request alone: an SGLang
+    decode in disaggregation mode refuses a request without a bootstrap room."""
+    if settings.kv_connector is KvConnector.SGLANG:
+        return 0.0
+    return settings.decode_skip_pd_fraction
 
 
 def _replace_unplain_request_id(headers: dict[str, str]) -> bool:

@@ -40,7 +40,9 @@ def decode_front(
     """pdproc with the pool's prefills and decodes as static members, behind an Envoy whose
     decode cluster routes on pdproc's choice; yields Envoy and pdproc's metrics address
     (pdproc's process goes to `processes`, for a test that stops it)."""
-    argv = ["--prefill-allow", "127.0.0.0/8", "--mooncake-bootstrap-port", str(pool.bootstrap_port)]
+    port = str(pool.bootstrap_port)
+    argv = ["--prefill-allow", "127.0.0.0/8"]
+    argv += ["--mooncake-bootstrap-port", port, "--sglang-bootstrap-port", port]
     for member in pool.prefills:
         argv += ["--prefill", str(member)]
     if decode_choice:
@@ -117,12 +119,18 @@ def served_by(pool: SimPool) -> dict[str, set[int]]:
     return out
 
 
-def test_a_conversation_stays_on_the_decode_that_holds_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("connector", ["mooncake", "nixlv2", "sglang"])
+def test_a_conversation_stays_on_the_decode_that_holds_it(tmp_path: Path, connector: str) -> None:
     """Never skipping P/D (fraction 0): every turn is P/D, and all turns of a conversation
-    go to one decode, conversations spread over both."""
+    go to one decode, conversations spread over both (whichever connector builds the
+    decode's body: pdproc's answer before the prefill, or after it for NIXL)."""
+    kv = ("--kv-connector", connector)
     with (
-        running_pool(tmp_path, 2, 2, prefill_args=CACHE, decode_args=CACHE) as pool,
-        decode_front(tmp_path, pool, ["--decode-skip-pd-fraction", "0"]) as (envoy, metrics),
+        running_pool(tmp_path, 2, 2, (*CACHE, *kv), (*CACHE, *kv)) as pool,
+        decode_front(tmp_path, pool, ["--decode-skip-pd-fraction", "0", *kv]) as (
+            envoy,
+            metrics,
+        ),
         httpx.Client(timeout=30) as client,
     ):
         names = [f"conv{i}" for i in range(12)]
@@ -139,12 +147,16 @@ def test_a_conversation_stays_on_the_decode_that_holds_it(tmp_path: Path) -> Non
         assert prefill_count(pool) == 36
 
 
-def test_the_next_turn_of_a_long_prompt_skips_pd_on_its_decode(tmp_path: Path) -> None:
+@pytest.mark.parametrize("connector", ["mooncake", "nixlv2"])
+def test_the_next_turn_of_a_long_prompt_skips_pd_on_its_decode(
+    tmp_path: Path, connector: str
+) -> None:
     """The first turn is P/D; the second, whose decode holds nearly all of its prompt, goes to
     that decode alone: no prefill, no kv_transfer_params, counted decode_cached."""
+    kv = ("--kv-connector", connector)
     with (
-        running_pool(tmp_path, 2, 2, prefill_args=CACHE, decode_args=CACHE) as pool,
-        decode_front(tmp_path, pool) as (envoy, metrics),
+        running_pool(tmp_path, 2, 2, (*CACHE, *kv), (*CACHE, *kv)) as pool,
+        decode_front(tmp_path, pool, kv) as (envoy, metrics),
         httpx.Client(timeout=30) as client,
     ):
         messages: list[dict[str, Any]] = [{"role": "system", "content": LONG}]
@@ -163,6 +175,23 @@ def test_the_next_turn_of_a_long_prompt_skips_pd_on_its_decode(tmp_path: Path) -
         assert scrape_metric(metrics, "pdproc_requests_total", outcome="pd") == 1
         # The decode found the first turn's prompt and answer in its own cache.
         assert tokens_by_source(pool.decodes[served[0]])["local_cache_hit"] > len(LONG) // 8
+
+
+def test_sglang_decodes_are_named_but_never_skip_pd(tmp_path: Path) -> None:
+    """An SGLang decode refuses a request without a bootstrap room: the second turn goes to
+    the same decode, still P/D."""
+    kv = ("--kv-connector", "sglang")
+    with (
+        running_pool(tmp_path, 2, 2, (*CACHE, *kv), (*CACHE, *kv)) as pool,
+        decode_front(tmp_path, pool, kv) as (envoy, metrics),
+        httpx.Client(timeout=30) as client,
+    ):
+        messages: list[dict[str, Any]] = [{"role": "system", "content": LONG}]
+        turn(client, envoy.url, messages, "sglang: the first question")
+        turn(client, envoy.url, messages, "sglang: the second question")
+        assert prefill_count(pool) == 2
+        assert sorted(len(found) for found in decode_records(pool)) == [0, 2]
+        assert scrape_metric(metrics, "pdproc_requests_total", outcome="pd") == 2
 
 
 def test_a_client_destination_header_never_routes(tmp_path: Path) -> None:
