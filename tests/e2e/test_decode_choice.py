@@ -177,6 +177,27 @@ def test_the_next_turn_of_a_long_prompt_skips_pd_on_its_decode(
         assert tokens_by_source(pool.decodes[served[0]])["local_cache_hit"] > len(LONG) // 8
 
 
+def test_bodies_past_the_stream_threshold_are_buffered_to_be_routed(tmp_path: Path) -> None:
+    """Envoy picks the upstream host when the request headers go on, before a streamed body
+    is known: with the decode choice on, a body past --stream-body-bytes is buffered, so
+    its decode is still the conversation's."""
+    args = ["--decode-skip-pd-fraction", "0", "--stream-body-bytes", "1024"]
+    with (
+        running_pool(tmp_path, 2, 2, prefill_args=CACHE, decode_args=CACHE) as pool,
+        decode_front(tmp_path, pool, args) as (envoy, metrics),
+        httpx.Client(timeout=30) as client,
+    ):
+        for index in range(6):
+            messages: list[dict[str, Any]] = [{"role": "system", "content": f"{index} {LONG}"}]
+            for number in range(3):
+                turn(client, envoy.url, messages, f"big{index}: question {number}")
+        where = served_by(pool)
+        assert len(where) == 6
+        assert all(len(decodes) == 1 for decodes in where.values()), where
+        assert scrape_metric(metrics, "pdproc_streamed_request_bodies_total") == 0
+        assert scrape_metric(metrics, "pdproc_requests_total", outcome="pd") == 18
+
+
 def test_sglang_decodes_are_named_but_never_skip_pd(tmp_path: Path) -> None:
     """An SGLang decode refuses a request without a bootstrap room: the second turn goes to
     the same decode, still P/D."""
