@@ -236,6 +236,7 @@ class EnvoyOptions:
                 f"request timeout ({self.request_timeout_s} s) must exceed the ext_proc message "
                 f"timeout ({self.message_timeout_s} s): pdproc's body answer is part of it"
             )
+        self._check_decode_choice()
         if (self.processor_tls_cert is None) != (self.processor_tls_key is None):
             raise ValueError("a processor client certificate needs both its cert and its key")
         tls_extras = (self.processor_tls_cert, self.processor_sni)
@@ -243,6 +244,13 @@ class EnvoyOptions:
             raise ValueError(
                 "TLS to the processor needs --processor-tls-ca (its certificate is always verified)"
             )
+
+
+    def _check_decode_choice(self) -> None:
+        if self.decode_choice and self.single_message and not self.kv_guard:
+            # The router picks the host when the headers reach it; in single-message mode
+            # they reach it before pdproc's body answer unless the kv guard holds them.
+            raise ValueError("the decode choice in single-message mode needs the kv guard")
 
 
 def _cluster_type(targets: Sequence[HostPort]) -> str:

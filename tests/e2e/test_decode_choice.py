@@ -36,6 +36,7 @@ def decode_front(
     *,
     decode_choice: bool = True,
     processes: list[Process] | None = None,
+    single_message: bool = False,
 ) -> Iterator[tuple[Envoy, HostPort]]:
     """pdproc with the pool's prefills and decodes as static members, behind an Envoy whose
     decode cluster routes on pdproc's choice; yields Envoy and pdproc's metrics address
@@ -56,7 +57,10 @@ def decode_front(
         if processes is not None:
             processes.append(proc)
         envoy = start_envoy(
-            workdir, pool.decodes, [addr], extra_options={"decode_choice": decode_choice}
+            workdir,
+            pool.decodes,
+            [addr],
+            extra_options={"decode_choice": decode_choice, "single_message": single_message},
         )
         procs.append(envoy.process)
         yield envoy, metrics
@@ -196,6 +200,25 @@ def test_bodies_past_the_stream_threshold_are_buffered_to_be_routed(tmp_path: Pa
         assert all(len(decodes) == 1 for decodes in where.values()), where
         assert scrape_metric(metrics, "pdproc_streamed_request_bodies_total") == 0
         assert scrape_metric(metrics, "pdproc_requests_total", outcome="pd") == 18
+
+
+def test_single_message_mode_routes_on_the_choice_too(tmp_path: Path) -> None:
+    """Single-message mode: the request headers are not held for pdproc's body answer, but
+    the kv guard after ext_proc holds them until the body is checked, so the host is picked
+    after pdproc named it; the second turn skips P/D there."""
+    with (
+        running_pool(tmp_path, 2, 2, prefill_args=CACHE, decode_args=CACHE) as pool,
+        decode_front(tmp_path, pool, single_message=True) as (envoy, metrics),
+        httpx.Client(timeout=30) as client,
+    ):
+        for index in range(6):
+            messages: list[dict[str, Any]] = [{"role": "system", "content": f"{index} {LONG}"}]
+            for number in range(2):
+                turn(client, envoy.url, messages, f"single{index}: question {number}")
+        where = served_by(pool)
+        assert len(where) == 6
+        assert all(len(decodes) == 1 for decodes in where.values()), where
+        assert scrape_metric(metrics, "pdproc_requests_total", outcome="decode_cached") == 6
 
 
 def test_sglang_decodes_are_named_but_never_skip_pd(tmp_path: Path) -> None:

@@ -18,7 +18,9 @@ import yaml
 from pdproc_sim.devstack import envoy_binary
 
 from pdproc.cli import main
+from pdproc.envoy_config import EnvoyOptions
 from pdproc.gateway_fields import GATEWAY_HEADERS
+from pdproc.targets import HostPort
 
 REPO = Path(__file__).resolve().parents[2]
 PD_PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/inference/v1/generate"]
@@ -181,6 +183,16 @@ def test_decode_choice_routes_on_pdproc_metadata_and_strips_the_client_header(
     assert plain["static_resources"]["clusters"][0]["lb_policy"] == "LEAST_REQUEST"
     names = [f["name"] for f in hcm_of(plain)["http_filters"]]
     assert "envoy.filters.http.header_mutation" not in names
+
+
+def test_the_decode_choice_in_single_message_mode_needs_the_kv_guard() -> None:
+    """There the kv guard is what holds the headers until pdproc has named the decode."""
+    addr = HostPort("127.0.0.1", 8200)
+    common: dict[str, Any] = {"listen": addr, "processor": [addr], "decode": [addr], "admin": addr}
+    EnvoyOptions(**common, decode_choice=True, single_message=True)
+    EnvoyOptions(**common, decode_choice=True, kv_guard=False)
+    with pytest.raises(ValueError, match="kv guard"):
+        EnvoyOptions(**common, decode_choice=True, single_message=True, kv_guard=False)
 
 
 def test_envoy_alone_has_no_ext_proc(capsys: pytest.CaptureFixture[str]) -> None:

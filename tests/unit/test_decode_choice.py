@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from pdproc.config import DecodeChoice, Settings
 from pdproc.decode_choice import DecodePool, skips_pd
 from pdproc.discovery import DnsPool
 from pdproc.prefix_affinity import BLOCK_BYTES, MAX_PROMPT_BLOCKS, Prompt
@@ -146,3 +147,9 @@ def test_a_decode_that_leaves_dns_is_not_named_and_loses_its_set() -> None:
 def test_blocks_are_prompt_bytes() -> None:
     prompt = chat(SYSTEM)
     assert len(prompt.keys) == -(-prompt.size // BLOCK_BYTES)
+
+
+def test_the_choice_needs_decodes_to_name() -> None:
+    with pytest.raises(ValueError, match="--decode-choice prefix needs"):
+        Settings(decode_choice=DecodeChoice.PREFIX)
+    Settings(decode_choice=DecodeChoice.PREFIX, decode_dns=(HostPort("decode.svc", 8200),))
