@@ -245,7 +245,6 @@ class EnvoyOptions:
                 "TLS to the processor needs --processor-tls-ca (its certificate is always verified)"
             )
 
-
     def _check_decode_choice(self) -> None:
         if self.decode_choice and self.single_message and not self.kv_guard:
             # The router picks the host when the headers reach it; in single-message mode
