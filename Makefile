@@ -119,7 +119,7 @@ promtool:
 OLDEST_ENVOY ?= 1.36.4
 OLDEST_ENVOY_TESTS ?= tests/e2e/test_pd_through_envoy.py tests/e2e/test_edge_security.py \
 	tests/e2e/test_mtls.py tests/e2e/test_envoy_config.py tests/e2e/test_streamed_bodies.py \
-	tests/security/test_h2_framing.py tests/e2e/test_tls_rotation.py
+	tests/security/test_h2_framing.py tests/e2e/test_tls_rotation.py tests/e2e/test_decode_choice.py
 # The matrix runs' logs stay in the checkout (build/), where `make clean` finds them.
 INSTALLED_ENV = PYTHON=$(TPY) PDPROC_TEST_INSTALLED=1 PDPROC_DIST="$(abspath $(DIST))" \
 	MATRIX_LOGS="$(CURDIR)/build/envoy-matrix-logs"

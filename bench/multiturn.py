@@ -16,15 +16,22 @@ Configurations, each started fresh (empty caches) for every run, runs interleave
 - `random`         vllm-router, --prefill-policy random (decode round robin)
 - `least-loaded`   Envoy + pdproc --pool-policy least-loaded (the old pool choice)
 - `prefix`         Envoy + pdproc (the default: prefix policy), 1 worker
-- `prefix-2w`      the same with --workers 2 (each process its own index)
+- `prefix-decode`  prefix, and pdproc names the decode too (--decode-choice prefix; Envoy's
+                   decode cluster routes on it): a turn goes to the decode holding its
+                   history, and skips P/D when that decode holds 80 % of the prompt
+- `prefix-2w`      the same as prefix with --workers 2 (each process its own index)
 - `cache-aware`    vllm-router --prefill-policy cache_aware (decode round robin)
 
-Per run, from the pods' own vLLM-named metrics: prefill tokens computed and found cached
-(`vllm:prompt_tokens_by_source_total`), KV tokens transferred (the decodes'
-external_kv_transfer), prefills per pod (max / mean); from the client: TTFT p50 / p99 over
-streamed answers; from /proc: the processor's CPU seconds (pdproc, or vllm-router) and
-resident memory at the end. The table gives each configuration's median over the rounds
-and, for the ratios against least-loaded (measured in the same rounds), the min-max spread.
+Per run, from the pods' own vLLM-named metrics (`vllm:prompt_tokens_by_source_total`):
+prompt tokens computed (by the prefill pods, plus by decodes serving a request alone:
+their local_compute, which is 0 while every request is disaggregated), of them by decodes,
+the prefill pods' hit rate, KV tokens transferred (the decodes' external_kv_transfer: what
+they pulled from a prefill, the blocks they held already not counted), prefills per pod
+(max / mean), requests a decode served alone holding the prompt (P/D skipped); from the
+client: TTFT p50 / p99 over streamed answers; from /proc: the processor's CPU seconds
+(pdproc, or vllm-router) and resident memory at the end. The table gives each
+configuration's median over the rounds and, for the ratios against least-loaded (measured
+in the same rounds), the min-max spread.
 """
 
 from __future__ import annotations
@@ -51,12 +58,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.stack import cpu_delta, router_binary, tree_cpu
 from pdproc.targets import HostPort
 
-CONFIGS = ("random", "least-loaded", "prefix", "prefix-2w", "cache-aware")
+CONFIGS = ("random", "least-loaded", "prefix", "prefix-decode", "prefix-2w", "cache-aware")
 PDPROC_ARGS = {
     "least-loaded": ["--pool-policy", "least-loaded"],
     "prefix": [],
+    "prefix-decode": ["--decode-choice", "prefix"],
     "prefix-2w": ["--workers", "2"],
 }
+# Configurations whose Envoy routes on pdproc's decode choice (pdproc is told the decodes).
+DECODE_CHOICE = frozenset({"prefix-decode"})
 ROUTER_POLICY = {"random": "random", "cache-aware": "cache_aware"}
 
 
@@ -130,11 +140,13 @@ class Run:
     computed: float = 0.0
     cached: float = 0.0
     kv_transferred: float = 0.0
+    decode_computed: float = 0.0  # prompt tokens decodes computed serving requests alone
     prefills_per_pod: list[float] = field(default_factory=list)
     computed_per_pod: list[float] = field(default_factory=list)
     cpu_s: float | None = None
     rss_mib: float | None = None
     index_blocks: float | None = None  # pdproc_prefix_index_blocks at the end
+    decode_cached: float | None = None  # requests a decode served alone, holding the prompt
     wall_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
@@ -148,6 +160,8 @@ class Run:
             "requests": self.requests,
             "errors": self.errors,
             "prefill_computed": self.computed,
+            "decode_computed": self.decode_computed,
+            "prompt_computed": self.computed + self.decode_computed,
             "hit_rate": self.cached / max(1.0, self.cached + self.computed),
             "kv_transferred": self.kv_transferred,
             "ttft_p50": _quantile(ttft, 0.5),
@@ -157,6 +171,7 @@ class Run:
             "cpu_s": self.cpu_s,
             "rss_mib": self.rss_mib,
             "index_blocks": self.index_blocks,
+            "decode_cached": self.decode_cached,
             "wall_s": self.wall_s,
         }
 
@@ -252,10 +267,13 @@ def _read_pods(pool: SimPool, run: Run) -> None:
         run.prefills_per_pod.append(sum(stats["served_per_rank"].values()))
     for decode in pool.decodes:
         for name, labels, value in _samples(decode.url()):
-            if name == "vllm:prompt_tokens_by_source_total" and (
-                labels["source"] == "external_kv_transfer"
-            ):
+            if name != "vllm:prompt_tokens_by_source_total":
+                continue
+            if labels["source"] == "external_kv_transfer":
                 run.kv_transferred += value
+            elif labels["source"] == "local_compute":
+                # A decode serving a request alone computes what it lacks: prompt work too.
+                run.decode_computed += value
 
 
 @contextlib.contextmanager
@@ -268,11 +286,16 @@ def _front(config: str, pool: SimPool, workdir: Path) -> Iterator[tuple[str, int
             args += ["--mooncake-bootstrap-port", str(pool.bootstrap_port)]
             for member in pool.prefills:
                 args += ["--prefill", str(member)]
+            choice = config in DECODE_CHOICE
+            for decode in pool.decodes if choice else ():
+                args += ["--decode", str(decode)]
             proc, addr, metrics = devstack.start_pdproc(
                 workdir, [*args, *PDPROC_ARGS[config]], name=f"pdproc-{config}"
             )
             procs.append(proc)
-            envoy = devstack.start_envoy(workdir, pool.decodes, [addr])
+            envoy = devstack.start_envoy(
+                workdir, pool.decodes, [addr], extra_options={"decode_choice": choice}
+            )
             procs.append(envoy.process)
             yield envoy.url, proc.popen.pid, metrics
         else:
@@ -339,6 +362,9 @@ def one_run(
         _read_pods(pool, run)
         if metrics is not None:
             run.index_blocks = devstack.scrape_metric(metrics, "pdproc_prefix_index_blocks")
+            run.decode_cached = devstack.scrape_metric(
+                metrics, "pdproc_requests_total", outcome="decode_cached"
+            )
     return run
 
 
@@ -346,10 +372,12 @@ def table(summaries: list[dict[str, Any]], configs: Sequence[str]) -> str:
     """Medians per configuration and workload; ratios against least-loaded of the same
     round, median with the min-max spread."""
     lines = [
-        "| workload | config | prefill tokens computed | vs least-loaded | hit rate | KV "
+        "| workload | config | prompt tokens computed | vs least-loaded | of them by decodes | "
+        "prefill hit rate | KV "
         "tokens transferred | TTFT p50 s | p50 vs LL | TTFT p99 s | p99 vs LL | prefills/pod "
-        "max/mean | computed/pod max/mean | CPU s | RSS MiB | index blocks | errors |",
-        "|" + "---|" * 16,
+        "max/mean | computed/pod max/mean | CPU s | RSS MiB | index blocks | P/D skipped | "
+        "errors |",
+        "|" + "---|" * 18,
     ]
     workloads = sorted({s["workload"] for s in summaries}, key=list(WORKLOADS).index)
     for workload in workloads:
@@ -389,8 +417,9 @@ def _row(
     cells = [
         workload,
         config,
-        _fmt(_median(rows, "prefill_computed"), 0),
-        _ratio(rows, base, "prefill_computed"),
+        _fmt(_median(rows, "prompt_computed"), 0),
+        _ratio(rows, base, "prompt_computed"),
+        _fmt(_median(rows, "decode_computed"), 0),
         _fmt(_median(rows, "hit_rate")),
         _fmt(_median(rows, "kv_transferred"), 0),
         _fmt(_median(rows, "ttft_p50"), 3),
@@ -402,6 +431,7 @@ def _row(
         _fmt(_median(rows, "cpu_s")),
         _fmt(_median(rows, "rss_mib"), 0),
         _fmt(_median(rows, "index_blocks"), 0),
+        _fmt(_median(rows, "decode_cached"), 0),
         str(sum(r["errors"] for r in rows)),
     ]
     return "| " + " | ".join(cells) + " |"

@@ -140,6 +140,10 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
         "pool_policy",
         "prefix_blocks_per_pod",
         "prefix_balance",
+        "decode",
+        "decode_dns",
+        "decode_choice",
+        "decode_skip_pd_fraction",
     ),
     "KV connector and bootstrap": (
         "kv_connector",
@@ -236,6 +240,7 @@ ENVOY_CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
         "max_body_bytes",
         "envoy_message_timeout",
         "envoy_max_message_timeout",
+        "decode_choice",
     ),
     "TLS to pdproc (pdproc serve --tls-cert/--tls-key)": (
         "processor_tls_ca",

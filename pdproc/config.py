@@ -53,6 +53,13 @@ class PoolPolicy(Enum):
     LEAST_LOADED = "least-loaded"  # the member with the fewest prefills in flight
 
 
+class DecodeChoice(Enum):
+    """Who picks the decode pod of a pool-mode P/D request."""
+
+    OFF = "off"  # Envoy's decode cluster (least request)
+    PREFIX = "prefix"  # pdproc: the decode likely to hold the prompt, within a load bound
+
+
 class KvConnector(Enum):
     """The KV transfer protocol between the prefill and the decode pods (llm-d's names)."""
 
@@ -240,6 +247,35 @@ class Settings:
         "the pool's mean (plus one) is not chosen for its cache.",
         _at_least_one,
     )
+    decode: tuple[HostPort, ...] = _setting(
+        (),
+        "Decode pod IP:PORT for --decode-choice (as Envoy's decode cluster lists it).",
+        parse_host_port,
+        repeat=True,
+    )
+    decode_dns: tuple[HostPort, ...] = _setting(
+        (),
+        "NAME:PORT whose A/AAAA records are all decode pods, for --decode-choice, re-resolved "
+        "every --dns-refresh seconds (the headless Service Envoy's decode cluster resolves).",
+        parse_host_port,
+        repeat=True,
+    )
+    decode_choice: DecodeChoice = _setting(
+        DecodeChoice.OFF,
+        "Pool mode: who picks the decode pod: off (Envoy's least-request choice) or prefix "
+        "(pdproc names the --decode/--decode-dns member likely to hold the prompt, within "
+        "--prefix-balance; Envoy's config must route on it: `pdproc envoy-config "
+        "--decode-choice prefix`; docs/prefix-routing.md).",
+        DecodeChoice,
+    )
+    decode_skip_pd_fraction: float = _setting(
+        0.8,
+        "--decode-choice prefix: when the chosen decode holds at least this share of the "
+        "prompt's blocks, it serves the request alone, without a prefill (counted "
+        "decode_cached; 0 or more than 1: never; never with --kv-connector sglang, whose "
+        "decodes serve no request alone).",
+        _non_negative,
+    )
     kv_connector: KvConnector = _setting(
         KvConnector.MOONCAKE,
         "KV connector of the prefill and decode pods: mooncake, nixlv2 or sglang.",
@@ -407,6 +443,8 @@ class Settings:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        if self.decode_choice is DecodeChoice.PREFIX and not (self.decode or self.decode_dns):
+            raise ValueError("--decode-choice prefix needs --decode or --decode-dns")
 
     @property
     def grpc_max_message_bytes(self) -> int:
@@ -449,6 +487,11 @@ class EnvoyConfigSettings:
     )
     admin: HostPort = _setting(
         HostPort("127.0.0.1", 9901), "Envoy admin HOST:PORT.", parse_host_port
+    )
+    decode_choice: DecodeChoice = _serve_setting(
+        "decode_choice",
+        "prefix: the decode cluster routes to the decode pdproc names (an override_host "
+        "policy on its metadata, least request without it; pass pdproc's value).",
     )
     pd_path: frozenset[str] = _serve_setting(
         "pd_path", "P/D path (replaces the default list; pass pdproc's --pd-path values)."

@@ -53,7 +53,9 @@ class DnsPool:
         *,
         timeout_s: float | None = None,
         on_lookup: LookupObserver = _ignore,
+        role: str = "prefill",
     ) -> None:
+        self._role = role
         self._names = tuple(names)
         self._refresh_s = refresh_s
         longest = refresh_s * _TIMEOUT_SHARE
@@ -110,7 +112,8 @@ class DnsPool:
         self._on_lookup("ok")
         if set(members) != set(self._members[name]):
             log.info(
-                "prefill pool from DNS changed",
+                "%s pool from DNS changed",
+                self._role,
                 extra={"dns_name": str(name), "members": [str(m) for m in members]},
             )
         self._members[name] = members
@@ -118,8 +121,8 @@ class DnsPool:
     def _failed(self, name: HostPort, outcome: str, why: str) -> None:
         self._on_lookup(outcome)
         log.warning(
-            "prefill DNS lookup failed (%s), keeping %d members: %s",
-            outcome, len(self._members[name]), why,
+            "%s DNS lookup failed (%s), keeping %d members: %s",
+            self._role, outcome, len(self._members[name]), why,
             extra={"dns_name": str(name)},
         )  # fmt: skip
 

@@ -47,6 +47,9 @@ METADATA_PREFILL_PRESENT_KEY = "prefiller_present"
 # Body answers for a body pdproc has checked carry this mark, so a rule after ext_proc can
 # refuse client-chosen kv_transfer_params on requests pdproc never saw (it failed open).
 METADATA_CHECKED_KEY = "body_checked"
+# The decode pdproc names for the request (--decode-choice prefix), as IP:PORT: the decode
+# cluster's override_host policy routes to it (pdproc envoy-config --decode-choice prefix).
+METADATA_DECODE_KEY = "decode_endpoint"
 
 
 def _checked_mark() -> pb.ProcessingResponse:
@@ -56,6 +59,17 @@ def _checked_mark() -> pb.ProcessingResponse:
 
 
 _CHECKED = _checked_mark().dynamic_metadata
+
+
+def _marked(response: pb.ProcessingResponse, decode: str | None) -> pb.ProcessingResponse:
+    """The body is checked (and, when given, `decode` is the decode to route to)."""
+    if decode is None:
+        response.dynamic_metadata.CopyFrom(_CHECKED)
+    else:
+        marks = {METADATA_CHECKED_KEY: True, METADATA_DECODE_KEY: decode}
+        response.dynamic_metadata.update({METADATA_NAMESPACE: marks})
+    return response
+
 
 # Answers that never change, built once.
 CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(
@@ -88,12 +102,14 @@ CHECKED_REQUEST_BODY = pb.ProcessingResponse(
 )
 
 
-def checked_request_body(request_id: str | None) -> Answer:
-    """The client's body on unchanged, marked checked; with the request headers still held,
-    `request_id` (when given) replaces x-request-id."""
-    if request_id is None:
+def checked_request_body(request_id: str | None, decode: str | None = None) -> Answer:
+    """The client's body on unchanged, marked checked (and routed to `decode`, when given);
+    with the request headers still held, `request_id` (when given) replaces x-request-id."""
+    if request_id is None and decode is None:
         return CHECKED_REQUEST_BODY
-    response = pb.ProcessingResponse(dynamic_metadata=_CHECKED)
+    response = _marked(pb.ProcessingResponse(request_body=pb.BodyResponse()), decode)
+    if request_id is None:
+        return response
     mutation = response.request_body.response.header_mutation
     mutation.set_headers.append(_header("x-request-id", request_id.encode()))
     return response
@@ -150,11 +166,18 @@ def passed_through(status: int, answer: bytes, content_type: str | None) -> pb.P
     )
 
 
-def body_response(body: bytes, *, content_length: bool, request_id: str | None = None) -> Answer:
-    """The rewritten body. With the request headers still held by Envoy, content-length must
-    change with it (and `request_id`, when given, replaces x-request-id); in single-message
-    mode they are gone upstream already and Envoy sends the body chunked."""
-    head = pb.ProcessingResponse(dynamic_metadata=_CHECKED)
+def body_response(
+    body: bytes,
+    *,
+    content_length: bool,
+    request_id: str | None = None,
+    decode: str | None = None,
+) -> Answer:
+    """The rewritten body, routed to `decode` when given. With the request headers still
+    held by Envoy, content-length must change with it (and `request_id`, when given,
+    replaces x-request-id); in single-message mode they are gone upstream already and Envoy
+    sends the body chunked."""
+    head = _marked(pb.ProcessingResponse(), decode)
     if content_length:
         mutation = head.request_body.response.header_mutation
         mutation.set_headers.append(_header("content-length", str(len(body)).encode()))

@@ -163,6 +163,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.decode_choices = Counter(
+            "pdproc_decode_choices",
+            "--decode-choice prefix, per request: cached (the decode holds most of the "
+            "prompt and serves it alone), prefix (it holds part of it), home or balance.",
+            ["reason"],
+            registry=r,
+        )
         self.prefix_index_blocks = Gauge(
             "pdproc_prefix_index_blocks",
             "Prompt blocks the prefix policy remembers, all pool members together (about "
@@ -199,8 +206,8 @@ class Metrics:
         )
         self.dns_lookups = Counter(
             "pdproc_dns_lookups",
-            "--prefill-dns lookups, by outcome (ok, empty, error, timeout); all but ok keep "
-            "the last good pool.",
+            "--prefill-dns and --decode-dns lookups, by outcome (ok, empty, error, timeout); "
+            "all but ok keep the last good pool.",
             ["outcome"],
             registry=r,
         )

@@ -22,6 +22,9 @@ class Outcome(StrEnum):
     PASSTHROUGH = "passthrough"  # not disaggregated: not a P/D request, no target, or draining
     DECODE_ONLY = "decode_only"  # a fallback: the decode served it alone (prefill unusable)
     SHORT_PROMPT = "short_prompt"  # below --pd-min-prompt: the decode served it alone
+    # The decode pdproc named holds most of the prompt (--decode-skip-pd-fraction): it
+    # served it alone, no prefill sent. A success, like pd.
+    DECODE_CACHED = "decode_cached"
     UNFINISHED_BODY = "unfinished_body"  # a streamed body answered before it ended
     ABANDONED = "abandoned"  # the client left before the decode's answer reached it
     CANCELLED = "cancelled"  # the same, and pdproc cancelled its running prefill

@@ -42,6 +42,7 @@ from pdproc.connectors import (
     OnFailure,
     Sequential,
 )
+from pdproc.decode_choice import DecodePick
 from pdproc.engine_maps import BootstrapError
 from pdproc.errors import ErrorKind, ErrorReply
 from pdproc.extproc_wire import Body
@@ -54,7 +55,15 @@ from pdproc.prefill import PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.request_body import BodyError, members, parse_body
 from pdproc.streamed_body import TAIL, StreamedBody, parse_content_length
 from pdproc.targets import HostPort
-from pdproc.telemetry import ATTR_CONNECTOR, ATTR_STREAMED, ATTR_TARGET, fail, trace_fields
+from pdproc.telemetry import (
+    ATTR_CONNECTOR,
+    ATTR_DECODE,
+    ATTR_DECODE_MATCHED,
+    ATTR_STREAMED,
+    ATTR_TARGET,
+    fail,
+    trace_fields,
+)
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +129,9 @@ class Deps:
     refine: Callable[[ClientRequest, HostPort], HostPort] | None = None
     # A pod's engine ids, each time a request gets them (the pool policy's news of restarts).
     engines_seen: Callable[[HostPort, EngineMap], None] | None = None
+    # --decode-choice prefix: the decode a request pdproc placed goes to, once its body is
+    # known (None: Envoy's choice).
+    choose_decode: Callable[[ClientRequest], DecodePick | None] | None = None
 
 
 class RequestContext:
@@ -144,6 +156,8 @@ class RequestContext:
         # pdproc minted in place of an unfit value (`id_replaced`).
         self.request_id = headers.get("x-request-id", "")
         self.id_replaced = id_replaced
+        # The decode pdproc named (IP:PORT), carried by every body answer from then on.
+        self.decode: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -183,7 +197,7 @@ class RequestContext:
     def serve_decode_only(self, outcome: Outcome, reason: str | None = None) -> msg.Answer:
         """The client's own body goes on to the decode, marked as checked."""
         self.count_decode_only(outcome, reason)
-        return msg.checked_request_body(self.held_request_id())
+        return msg.checked_request_body(self.held_request_id(), self.decode)
 
     def close(self) -> None:
         if self.span is not None:
@@ -328,6 +342,7 @@ class Disaggregated:
         self._from_pool = from_pool  # pdproc's choice: another member may stand in
         self._min_prompt = min_prompt
         self._job: PrefillJob | None = None
+        self._decode_pick: DecodePick | None = None
         self._response_seen = False
         self._body_seen = False
         self._busy_s = 0.0
@@ -378,6 +393,11 @@ class Disaggregated:
         prefill launched, and the body's answer. `streamed`: the body went on to the decode
         as it arrived, all but its tail."""
         started = time.perf_counter()
+        if self._names_decode:
+            pick = self._choose_decode(request)
+            if pick is not None and pick.skip_pd:
+                self._busy_s += time.perf_counter() - started
+                return self.context.serve_decode_only(Outcome.DECODE_CACHED)
         if self._from_pool and self._deps.refine is not None:
             self._refine(request, self._deps.refine)
         engines: EngineMap | None = None
@@ -396,6 +416,32 @@ class Disaggregated:
         self._busy_s += time.perf_counter() - started
         self._deps.metrics.processing_seconds.observe(self._busy_s)
         return answer
+
+    @property
+    def _names_decode(self) -> bool:
+        """pdproc names this request's decode (a pool-mode request, --decode-choice prefix)."""
+        return self._from_pool and self._deps.choose_decode is not None
+
+    def _choose_decode(self, request: ClientRequest) -> DecodePick | None:
+        assert self._deps.choose_decode is not None
+        pick = self._decode_pick = self._deps.choose_decode(request)
+        if pick is None:
+            return None
+        self.context.decode = str(pick.pod)
+        span = self.context.span
+        if span is not None:
+            span.set_attribute(ATTR_DECODE, self.context.decode)
+            span.set_attribute(ATTR_DECODE_MATCHED, pick.matched_blocks)
+        if pick.skip_pd:
+            log.debug(
+                "the decode holds most of the prompt: it serves the request alone",
+                extra=self.context.log_fields(
+                    decode=self.context.decode,
+                    matched_blocks=pick.matched_blocks,
+                    prompt_blocks=pick.prompt_blocks,
+                ),
+            )
+        return pick
 
     def _launch_legs(
         self,
@@ -499,6 +545,7 @@ class Disaggregated:
             body,
             content_length=not self.context.single_message,
             request_id=self.context.held_request_id(),
+            decode=self.context.decode,
         )
 
     def _deferred(self, job: PrefillJob, later: Awaitable[msg.Answer]) -> Deferred:
@@ -535,6 +582,8 @@ class Disaggregated:
     def close(self, *, abandoned: bool) -> Outcome | None:
         self._budget.release()
         self._claim.release()
+        if self._decode_pick is not None:
+            self._decode_pick.claim.release()
         self._let_go_after_prefill()
         if not abandoned or self.context.finished:
             return None
@@ -658,6 +707,10 @@ class ConcurrentPair(Disaggregated):
         threshold = settings.stream_body_bytes
         if not threshold or self.context.single_message:
             return None  # single-message mode has no headers answer to switch modes in
+        if self._names_decode:
+            # Envoy picks the upstream host once the headers go on, before a streamed body
+            # is known: a decode named from the body must have it buffered.
+            return None
         length = parse_content_length(self.context.headers.get("content-length"))
         if length is None or length < max(threshold, TAIL + 1, self._min_prompt):
             return None

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdproc import limits, pod_http
 from pdproc.breaker import CircuitBreakers
-from pdproc.config import KvConnector, PoolPolicy, Settings
+from pdproc.config import DecodeChoice, KvConnector, PoolPolicy, Settings
 from pdproc.connectors import Connector
 from pdproc.connectors.mooncake import Mooncake
 from pdproc.connectors.nixlv2 import NixlV2
@@ -77,6 +77,7 @@ class Server:
         self._web: web.AppRunner | None = None
         self.service: ExtProcService | None = None
         self._dns: DnsPool | None = None
+        self._decode_dns: DnsPool | None = None
         self._tls: TlsReloader | None = None
         self._breaker_sweep: asyncio.Task[None] | None = None
         self._prober: asyncio.Task[None] | None = None
@@ -96,9 +97,13 @@ class Server:
             tracing=self.tracing,
             siblings=self._sharing.siblings(),
         )
-        self._dns = self._dns_pool()
+        self._dns = self._dns_pool(s.prefill_dns, "prefill")
         if self._dns is not None:
             await self._dns.start()
+        if s.decode_choice is DecodeChoice.PREFIX:
+            self._decode_dns = self._dns_pool(s.decode_dns, "decode")
+            if self._decode_dns is not None:
+                await self._decode_dns.start()
         is_member = _membership(s.prefill, self._dns)
         breakers = CircuitBreakers(
             s.breaker_failures,
@@ -146,18 +151,23 @@ class Server:
             self.tracing,
             dns_pool=self._dns,
             unproven=unproven,
+            decode_dns=self._decode_dns,
         )
         loop = asyncio.get_running_loop()
         self._breaker_sweep = loop.create_task(_sweep(breakers, unproven))
         self._prober = loop.create_task(prober.run())
         return service
 
-    def _dns_pool(self) -> DnsPool | None:
-        s = self.settings
-        if not s.prefill_dns:
+    def _dns_pool(self, names: tuple[HostPort, ...], role: str) -> DnsPool | None:
+        if not names:
             return None
         lookups = self.metrics.dns_lookups
-        return DnsPool(s.prefill_dns, s.dns_refresh, on_lookup=lambda o: lookups.labels(o).inc())
+        return DnsPool(
+            names,
+            self.settings.dns_refresh,
+            on_lookup=lambda o: lookups.labels(o).inc(),
+            role=role,
+        )
 
     def _tls_reloader(self) -> TlsReloader | None:
         """TLS on the ext_proc port, its files re-read while serving (tls_reload.py); with a
@@ -293,8 +303,9 @@ class Server:
     async def _close(self) -> None:
         """Release what start() made, after the drain: DNS refresh, sweep, HTTP client,
         metrics endpoint, and the spans still queued."""
-        if self._dns is not None:
-            await self._dns.stop()
+        for pool in (self._dns, self._decode_dns):
+            if pool is not None:
+                await pool.stop()
         if self._tls is not None:
             await self._tls.stop()
         if self._breaker_sweep is not None:

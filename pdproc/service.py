@@ -16,8 +16,9 @@ from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdproc.breaker import CircuitBreakers
 from pdproc.budget import ByteBudget
-from pdproc.config import BootstrapPolicy, PoolPolicy, Settings
-from pdproc.connectors import Concurrent, Connector
+from pdproc.config import BootstrapPolicy, DecodeChoice, KvConnector, PoolPolicy, Settings
+from pdproc.connectors import ClientRequest, Concurrent, Connector
+from pdproc.decode_choice import DecodePick, DecodePool
 from pdproc.discovery import DnsPool
 from pdproc.engine_maps import EngineMaps
 from pdproc.errors import ErrorKind, ErrorReply, shown
@@ -41,6 +42,7 @@ from pdproc.pod_load import PodLoad
 from pdproc.pod_verdict import Verdict, of_prefill
 from pdproc.pool_choice import PrefixPool
 from pdproc.prefill import OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
+from pdproc.prefix_affinity import Prompt
 from pdproc.processors import (
     Abort,
     ConcurrentPair,
@@ -74,6 +76,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         tracing: Tracing | None = None,
         dns_pool: DnsPool | None = None,
         unproven: UnprovenPorts | None = None,
+        decode_dns: DnsPool | None = None,
     ) -> None:
         self.settings = settings
         self.connector = connector
@@ -83,6 +86,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.metrics = metrics
         self.tracing = tracing or Tracing(None)
         self.dns_pool = dns_pool
+        self.decode_dns = decode_dns
         self._static_pool = frozenset(settings.prefill)
         if unproven is None:
             unproven = UnprovenPorts(
@@ -109,6 +113,15 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 on_choice=lambda reason: metrics.pool_choices.labels(reason).inc(),
                 on_index=metrics.prefix_index_blocks.set,
             )
+        self.decode_pool: DecodePool | None = None
+        if settings.decode_choice is DecodeChoice.PREFIX:
+            self.decode_pool = DecodePool(
+                self.decodes,
+                blocks_per_pod=settings.prefix_blocks_per_pod,
+                balance=settings.prefix_balance,
+                skip_fraction=_skip_fraction(settings),
+                on_choice=lambda reason: metrics.decode_choices.labels(reason).inc(),
+            )
         self.deps = Deps(
             settings=settings,
             metrics=metrics,
@@ -121,6 +134,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             reroute=self.reroute,
             refine=self.prefix_pool.refine if self.prefix_pool else None,
             engines_seen=self.prefix_pool.engines_seen if self.prefix_pool else None,
+            choose_decode=self._choose_decode if self.decode_pool else None,
         )
 
     async def Process(
@@ -251,6 +265,16 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return self.settings.prefill
         return self.settings.prefill + self.dns_pool.members
 
+    def decodes(self) -> tuple[HostPort, ...]:
+        """The decode pods pdproc may name: the static ones plus what DNS resolves to."""
+        if self.decode_dns is None:
+            return self.settings.decode
+        return self.settings.decode + self.decode_dns.members
+
+    def _choose_decode(self, request: ClientRequest) -> DecodePick | None:
+        assert self.decode_pool is not None
+        return self.decode_pool.choose(Prompt.of(request.parsed))
+
     def prefill_ended(self, job: PrefillJob, outcome: PrefillOutcome) -> None:
         if self.prefix_pool is None:
             return
@@ -282,6 +306,14 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return target in self._static_pool or (
             self.dns_pool is not None and target in self.dns_pool.members
         )
+
+
+def _skip_fraction(settings: Settings) -> float:
+    """--decode-skip-pd-fraction, unless the decodes cannot serve a request alone: an SGLang
+    decode in disaggregation mode refuses a request without a bootstrap room."""
+    if settings.kv_connector is KvConnector.SGLANG:
+        return 0.0
+    return settings.decode_skip_pd_fraction
 
 
 def _replace_unplain_request_id(headers: dict[str, str]) -> bool:

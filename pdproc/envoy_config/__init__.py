@@ -18,6 +18,7 @@ from string import Template
 from pdproc.config import (
     DEFAULT_OPEN_PATHS,
     DEFAULT_PD_PATHS,
+    DecodeChoice,
     EnvoyConfigSettings,
     serve_default,
 )
@@ -99,6 +100,51 @@ _TLS_SOCKET = """\
 {sans}"""
 
 
+_LEAST_REQUEST = "    lb_policy: LEAST_REQUEST"
+
+# --decode-choice prefix: the decode cluster takes the decode pdproc names in its body answer
+# (dynamic metadata, which no client can set); without one (pdproc down, failed open, or a
+# request it does not place) or when the named host is not in the cluster, least request.
+_OVERRIDE_HOST = """\
+    # --decode-choice prefix: the host pdproc named (pdproc.decode_endpoint, IP:PORT) when it
+    # is one of this cluster's, else least request. Only the cluster's own hosts can be
+    # picked: a value naming any other address routes nowhere new.
+    load_balancing_policy:
+      policies:
+      - typed_extension_config:
+          name: envoy.load_balancing_policies.override_host
+          typed_config:
+            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.\
+override_host.v3.OverrideHost
+            override_host_sources:
+            - metadata: {key: pdproc, path: [{key: decode_endpoint}]}
+            fallback_policy:
+              policies:
+              - typed_extension_config:
+                  name: envoy.load_balancing_policies.least_request
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.\
+least_request.v3.LeastRequest"""
+
+# The header gateways use to name an endpoint (the Gateway API inference extension's): never
+# taken from a client. Removed before anything else runs, so that whatever reads it later
+# (an override_host source, the decode) never sees a client's value, also when pdproc is
+# down or skips the request.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+_DESTINATION_STRIP = (
+    """\
+          # --decode-choice prefix: the decode is pdproc's choice; a client's endpoint header
+          # is dropped first, whatever filter or pdproc does next.
+          - name: envoy.filters.http.header_mutation
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.\
+HeaderMutation
+              mutations:
+                request_mutations:
+                - remove: """
+    + DESTINATION_HEADER
+)
+
 # Envoy releases the generated config is tested with (`scripts/envoy-matrix.sh`).
 SUPPORTED_ENVOY_VERSIONS = ((1, 36), (1, 37), (1, 38), (1, 39), (1, 40))
 NEWEST_ENVOY_VERSION = SUPPORTED_ENVOY_VERSIONS[-1]
@@ -173,6 +219,8 @@ class EnvoyOptions:
     processor_tls_cert: str | None = None
     processor_tls_key: str | None = None
     processor_sni: str | None = None
+    # The decode cluster routes on the decode pdproc names (pdproc serve --decode-choice).
+    decode_choice: bool = False
 
     def __post_init__(self) -> None:
         for path in (*self.pd_paths, *self.open_paths):
@@ -188,6 +236,7 @@ class EnvoyOptions:
                 f"request timeout ({self.request_timeout_s} s) must exceed the ext_proc message "
                 f"timeout ({self.message_timeout_s} s): pdproc's body answer is part of it"
             )
+        self._check_decode_choice()
         if (self.processor_tls_cert is None) != (self.processor_tls_key is None):
             raise ValueError("a processor client certificate needs both its cert and its key")
         tls_extras = (self.processor_tls_cert, self.processor_sni)
@@ -195,6 +244,12 @@ class EnvoyOptions:
             raise ValueError(
                 "TLS to the processor needs --processor-tls-ca (its certificate is always verified)"
             )
+
+    def _check_decode_choice(self) -> None:
+        if self.decode_choice and self.single_message and not self.kv_guard:
+            # The router picks the host when the headers reach it; in single-message mode
+            # they reach it before pdproc's body answer unless the kv guard holds them.
+            raise ValueError("the decode choice in single-message mode needs the kv guard")
 
 
 def _cluster_type(targets: Sequence[HostPort]) -> str:
@@ -331,6 +386,15 @@ def _tls_socket(options: EnvoyOptions) -> str:
     )
 
 
+def _decode_routing(options: EnvoyOptions) -> dict[str, str]:
+    """How the decode cluster picks its host: its own least request, or pdproc's choice."""
+    return {
+        "decode_type": _cluster_type(options.decode),
+        "decode_lb_policy": _OVERRIDE_HOST if options.decode_choice else _LEAST_REQUEST,
+        "decode_header_strip": _DESTINATION_STRIP if options.decode_choice else "",
+    }
+
+
 def render(options: EnvoyOptions) -> str:
     template = Template(
         resources.files("pdproc.envoy_config").joinpath("bootstrap.yaml.tmpl").read_text("utf-8")
@@ -371,7 +435,7 @@ def render(options: EnvoyOptions) -> str:
         request_headers_timeout_s=_seconds(options.request_headers_timeout_s),
         request_timeout_s=_seconds(options.request_timeout_s),
         max_message_timeout_s=_seconds(options.max_message_timeout_s),
-        decode_type=_cluster_type(options.decode),
+        **_decode_routing(options),
         processor_type=_cluster_type(options.processor),
         decode_endpoints=_endpoints(options.decode),
         processor_endpoints=_endpoints(options.processor),
@@ -437,6 +501,7 @@ def options_from(flags: EnvoyConfigSettings) -> EnvoyOptions:
         processor_tls_cert=flags.processor_tls_cert,
         processor_tls_key=flags.processor_tls_key,
         processor_sni=flags.processor_sni,
+        decode_choice=flags.decode_choice is DecodeChoice.PREFIX,
         envoy_version=(
             parse_envoy_version(flags.envoy_version)
             if flags.envoy_version

@@ -133,6 +133,23 @@ CASES = [
         ],
         DAY_MIN + 60,
     ),
+    # --decode-choice prefix: a day later most turns find their decode holding the prompt and
+    # skip the prefill (decode_cached): that is P/D working, not a drop.
+    Case(
+        "pd-share-decode-cached-quiet",
+        "PdprocPDShareDropped",
+        [
+            {
+                "series": requests("pd", 0, 0)["series"],
+                "values": f"0+60x{DAY_MIN} {DAY_MIN * 60 + 15:g}+15x80",
+            },
+            {
+                "series": requests("decode_cached", 0, 0)["series"],
+                "values": f"0x{DAY_MIN} 45+45x80",
+            },
+        ],
+        DAY_MIN + 60,
+    ),
     Case(
         "no-disaggregation-fires",
         "PdprocNoDisaggregation",
@@ -145,6 +162,13 @@ CASES = [
         "no-disaggregation-client-garbage-quiet",
         "PdprocNoDisaggregation",
         [requests("bad_request", 60, 60), requests("too_large", 60, 60)],
+        45,
+    ),
+    # Every request found its decode holding the prompt: nothing needed a prefill.
+    Case(
+        "no-disaggregation-all-decode-cached-quiet",
+        "PdprocNoDisaggregation",
+        [requests("decode_cached", 60, 60)],
         45,
     ),
     Case(

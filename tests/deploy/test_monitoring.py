@@ -299,7 +299,8 @@ def pdproc_pod_monitor(rendered: list[dict[str, Any]]) -> dict[str, Any]:
 def check_the_four_signals(alerts: dict[str, Any], recorded: dict[str, Any]) -> None:
     """The issue's four signals: the P/D share, up == 0, ext_proc failures, fail-open."""
     assert "pdproc:pd_share:ratio_rate15m" in alerts["PdprocPDShareDropped"]["expr"]
-    assert 'outcome="pd"' in recorded["pdproc:pd_requests:rate15m"]
+    # decode_cached (the decode held the prompt: no prefill needed) counts as P/D served.
+    assert 'outcome=~"pd|decode_cached"' in recorded["pdproc:pd_requests:rate15m"]
     assert alerts["PdprocDown"]["expr"].strip() == 'up{job="pdproc"} == 0'
     assert "streams_failed" in alerts["GatewayExtProcStreamsFailing"]["expr"]
     assert "failure_mode_allowed" in alerts["GatewayExtProcFailOpen"]["expr"]

@@ -18,7 +18,9 @@ import yaml
 from pdproc_sim.devstack import envoy_binary
 
 from pdproc.cli import main
+from pdproc.envoy_config import EnvoyOptions
 from pdproc.gateway_fields import GATEWAY_HEADERS
+from pdproc.targets import HostPort
 
 REPO = Path(__file__).resolve().parents[2]
 PD_PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/inference/v1/generate"]
@@ -108,6 +110,12 @@ def test_generated_configs_validate(
         "mtls-single": ["--decode", "127.0.0.1:8200", "--single-message", *mtls],
         "envoy-1.36": ["--decode", "127.0.0.1:8200", "--envoy-version", "1.36"],
         "envoy-1.37": ["--decode", "127.0.0.1:8200", "--envoy-version", "1.37.0"],
+        "decode-choice": ["--decode", "10.0.0.1:8200", "--decode", "[fd00::2]:8200",
+                          "--decode-choice", "prefix"],
+        "decode-choice-dns": ["--decode", "decode.ns.svc:8200", "--decode-choice", "prefix",
+                              "--single-message", "--envoy-version", "1.36"],
+        "decode-choice-alone": ["--decode", "127.0.0.1:8200", "--decode-choice", "prefix",
+                                "--no-processor"],
     }  # fmt: skip
     for name, args in variants.items():
         path = tmp_path / f"{name}.yaml"
@@ -146,6 +154,45 @@ def test_processing_modes_are_the_ones_the_design_needs(capsys: pytest.CaptureFi
     per_filter = catch_all["typed_per_filter_config"]
     assert per_filter["envoy.filters.http.ext_proc"]["disabled"] is True
     assert per_filter["envoy.filters.http.lua"]["disabled"] is True
+
+
+def test_decode_choice_routes_on_pdproc_metadata_and_strips_the_client_header(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--decode-choice prefix: a client's x-gateway-destination-endpoint is removed before any
+    other filter (also when pdproc is down or skips the request), and the decode cluster
+    picks the host pdproc's metadata names, least request otherwise."""
+    for extra in ([], ["--single-message"], ["--no-processor"]):
+        args = ["--decode", "127.0.0.1:8200", "--decode-choice", "prefix", *extra]
+        config = yaml.safe_load(render(capsys, *args))
+        first = hcm_of(config)["http_filters"][0]
+        assert first["name"] == "envoy.filters.http.header_mutation"
+        mutations = first["typed_config"]["mutations"]["request_mutations"]
+        assert mutations == [{"remove": "x-gateway-destination-endpoint"}]
+        decode = config["static_resources"]["clusters"][0]
+        assert decode["name"] == "decode"
+        assert "lb_policy" not in decode
+        policy = decode["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+        assert policy["name"] == "envoy.load_balancing_policies.override_host"
+        assert policy["typed_config"]["override_host_sources"] == [
+            {"metadata": {"key": "pdproc", "path": [{"key": "decode_endpoint"}]}}
+        ]
+        fallback = policy["typed_config"]["fallback_policy"]["policies"][0]
+        assert fallback["typed_extension_config"]["name"].endswith(".least_request")
+    plain = yaml.safe_load(render(capsys, "--decode", "127.0.0.1:8200"))
+    assert plain["static_resources"]["clusters"][0]["lb_policy"] == "LEAST_REQUEST"
+    names = [f["name"] for f in hcm_of(plain)["http_filters"]]
+    assert "envoy.filters.http.header_mutation" not in names
+
+
+def test_the_decode_choice_in_single_message_mode_needs_the_kv_guard() -> None:
+    """There the kv guard is what holds the headers until pdproc has named the decode."""
+    addr = HostPort("127.0.0.1", 8200)
+    common: dict[str, Any] = {"listen": addr, "processor": [addr], "decode": [addr], "admin": addr}
+    EnvoyOptions(**common, decode_choice=True, single_message=True)
+    EnvoyOptions(**common, decode_choice=True, kv_guard=False)
+    with pytest.raises(ValueError, match="kv guard"):
+        EnvoyOptions(**common, decode_choice=True, single_message=True, kv_guard=False)
 
 
 def test_envoy_alone_has_no_ext_proc(capsys: pytest.CaptureFixture[str]) -> None:
