@@ -11,11 +11,12 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import msgspec
 
 from pdproc.connectors import ClientRequest
-from pdproc.prefix_affinity import PrefixAffinity, Prompt
+from pdproc.prefix_affinity import BLOCK_BYTES, PrefixAffinity, Prompt
 from pdproc.targets import HostPort
 
 # Members whose engine map was seen, at most (beyond, the oldest memo is dropped): a DNS
@@ -43,6 +44,16 @@ class _Answer(msgspec.Struct):
 
 
 _ANSWER = msgspec.json.Decoder(_Answer)
+
+
+@dataclass(frozen=True, slots=True)
+class Refined:
+    """The member to prefill a request, and what the policy predicted that member holds of
+    its prompt (for the prefill's log line, where an operator or a test compares it with
+    the cached tokens the pod reports; empty when the header-time pick was kept)."""
+
+    target: HostPort
+    facts: Mapping[str, int] = field(default_factory=dict)
 
 
 def cached_share(answer: bytes) -> float | None:
@@ -90,7 +101,7 @@ class PrefixPool:
         self._engines: dict[HostPort, Mapping[int, str]] = {}
         self._last_members: frozenset[HostPort] = frozenset()
 
-    def refine(self, request: ClientRequest, provisional: HostPort) -> HostPort:
+    def refine(self, request: ClientRequest, provisional: HostPort) -> Refined:
         """The member to prefill this request: the one the affinity names, or `provisional`
         (the header-time pick) when that one cannot be used."""
         members = self._members()
@@ -100,7 +111,7 @@ class PrefixPool:
         choice = self.affinity.choose(prompt, usable, self._in_flight)
         if choice is None or (choice.pod != provisional and not self._allow(choice.pod)):
             self._chose("kept")
-            return provisional
+            return Refined(provisional)
         # (A suspect provisional pick is left for the one the policy named.)
         self._chose(choice.reason)
         if request.request_id:
@@ -109,7 +120,9 @@ class PrefixPool:
             predictions[request.request_id] = (choice.pod, choice.matched_blocks, prompt)
             if len(predictions) > _PREDICTIONS_CAP:
                 predictions.popitem(last=False)
-        return choice.pod
+        matched = min(choice.matched_blocks * BLOCK_BYTES, prompt.size)
+        facts = {"prefix_matched_bytes": matched, "prefix_prompt_bytes": prompt.size}
+        return Refined(choice.pod, facts)
 
     def answered(self, request_id: str, target: HostPort, answer: bytes | None) -> None:
         """A prefill ended: its answer (when read) tells how much the pod found cached."""

@@ -51,6 +51,7 @@ from pdproc.metrics import Metrics
 from pdproc.outcomes import Outcome, PrefillResult
 from pdproc.pod_load import PodLoad
 from pdproc.pod_verdict import Verdict
+from pdproc.pool_choice import Refined
 from pdproc.prefill import PrefillJob, PrefillLauncher, PrefillOutcome
 from pdproc.request_body import BodyError, members, parse_body
 from pdproc.streamed_body import TAIL, StreamedBody, parse_content_length
@@ -126,7 +127,7 @@ class Deps:
     reroute: Callable[[Collection[HostPort]], HostPort | None]
     # The pool policy's second look at a request pdproc placed, once its body is known
     # (the header-time pick given): the member to use.
-    refine: Callable[[ClientRequest, HostPort], HostPort] | None = None
+    refine: Callable[[ClientRequest, HostPort], Refined] | None = None
     # A pod's engine ids, each time a request gets them (the pool policy's news of restarts).
     engines_seen: Callable[[HostPort, EngineMap], None] | None = None
     # --decode-choice prefix: the decode a request pdproc placed goes to, once its body is
@@ -340,6 +341,7 @@ class Disaggregated:
         self._target = target
         self._claim = deps.load.claim(target)
         self._from_pool = from_pool  # pdproc's choice: another member may stand in
+        self._choice_facts: Mapping[str, int] = {}
         self._min_prompt = min_prompt
         self._job: PrefillJob | None = None
         self._decode_pick: DecodePick | None = None
@@ -473,12 +475,13 @@ class Disaggregated:
                 self._move_to(other, exc)
 
     def _refine(
-        self, request: ClientRequest, refine: Callable[[ClientRequest, HostPort], HostPort]
+        self, request: ClientRequest, refine: Callable[[ClientRequest, HostPort], Refined]
     ) -> None:
         """The pool policy may move the request to another member (its own claim is not
         counted while the policy weighs the loads)."""
         self._claim.release()
-        target = refine(request, self._target)
+        refined = refine(request, self._target)
+        target, self._choice_facts = refined.target, refined.facts
         self._claim = self._deps.load.claim(target)
         if target != self._target:
             self._target = target
@@ -521,7 +524,7 @@ class Disaggregated:
         )
 
     def _launch(self, legs: Legs, request: ClientRequest, *, keep_answer: bool) -> PrefillJob:
-        excerpt = {}
+        excerpt: dict[str, Any] = dict(self._choice_facts)
         if self._deps.settings.log_bodies:
             excerpt["body"] = request.raw[:BODY_LOG_BYTES].decode("utf-8", "replace")
         job = self._job = self._deps.launcher.launch(

@@ -6,11 +6,13 @@ state agree on where a conversation goes."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from pdproc_sim.devstack import Envoy, scrape_metric, start_envoy, start_pdproc
 from pdproc_sim.poolstack import SimPool, running_pool
@@ -130,6 +132,36 @@ def test_replicas_agree_without_shared_state(tmp_path: Path) -> None:
         where = served_by(pool)
         assert len(where) == 8
         assert all(len(pods) == 1 for pods in where.values()), where
+
+
+def test_the_prefill_log_line_says_what_the_policy_predicted(tmp_path: Path) -> None:
+    """Each prefill's log line carries the bytes of the prompt the policy predicted its pod
+    holds: nothing for a conversation's first turn, then every earlier turn (the real-engine
+    suite compares these with what the engines report)."""
+    with (
+        running_pool(tmp_path, 2, prefill_args=CACHE) as pool,
+        pool_front(tmp_path, pool) as envoy,
+        httpx.Client(timeout=30) as client,
+    ):
+        conversation_turns(client, envoy.url, "conv0", 3)
+        lines = prefilled_lines(tmp_path / "pdproc0.log", 3)
+    predicted = [(line["prefix_matched_bytes"], line["prefix_prompt_bytes"]) for line in lines]
+    assert predicted[0][0] == 0, predicted
+    for (_, before), (matched, size) in itertools.pairwise(predicted):
+        # The earlier turn's prompt (all but its last, partial block) is known to be there.
+        assert before - 256 < matched < size, predicted
+
+
+def prefilled_lines(log: Path, count: int) -> list[dict[str, Any]]:
+    """The first `count` "pd request prefilled" lines of a pdproc log (they are written
+    when each prefill's status line comes, before its answer reaches the client)."""
+    lines = [
+        orjson.loads(line)
+        for line in log.read_text().splitlines()
+        if line.startswith("{") and '"pd request prefilled"' in line
+    ]
+    assert len(lines) == count, lines
+    return lines
 
 
 def test_least_loaded_restores_the_old_choice(tmp_path: Path) -> None:

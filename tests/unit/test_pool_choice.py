@@ -43,34 +43,55 @@ class World:
         )
 
 
-def test_a_conversation_returns_to_its_pod_and_is_counted() -> None:
+def refine(w: World, request: ClientRequest, provisional: HostPort) -> HostPort:
+    return w.pool.refine(request, provisional).target
+
+
+def test_the_prediction_is_told_for_the_log_line() -> None:
     w = World()
     first = w.pool.refine(body("q1"), PODS[0])
-    assert w.pool.refine(body("q1"), PODS[0]) == first
+    # Nothing cached anywhere yet: the home was chosen, nothing of the prompt predicted.
+    assert first.facts["prefix_matched_bytes"] == 0
+    prompt_size = first.facts["prefix_prompt_bytes"]
+    again = w.pool.refine(body("q1"), PODS[0])
+    assert again.target == first.target
+    assert again.facts["prefix_prompt_bytes"] == prompt_size
+    # The whole prompt was recorded on that pod: predicted whole, never past its size.
+    assert again.facts["prefix_matched_bytes"] == prompt_size
+    # Every breaker open: the header-time pick is kept, and nothing is predicted.
+    w.open.update(PODS)
+    kept = w.pool.refine(body("q1"), PODS[2])
+    assert (kept.target, kept.facts, w.reasons[-1]) == (PODS[2], {}, "kept")
+
+
+def test_a_conversation_returns_to_its_pod_and_is_counted() -> None:
+    w = World()
+    first = refine(w, body("q1"), PODS[0])
+    assert refine(w, body("q1"), PODS[0]) == first
     assert w.reasons == ["home", "prefix"]
 
 
 def test_an_open_breaker_is_never_chosen_and_forgets_the_pod() -> None:
     w = World()
-    home = w.pool.refine(body("q1"), PODS[0])
+    home = refine(w, body("q1"), PODS[0])
     w.open.add(home)
     w.pool.breaker_opened(home)
     assert home not in w.pool.affinity.known()
-    assert w.pool.refine(body("q1"), PODS[0]) != home
+    assert refine(w, body("q1"), PODS[0]) != home
 
 
 def test_a_member_that_refuses_its_half_open_probe_keeps_the_header_pick() -> None:
     w = World()
-    home = w.pool.refine(body("q1"), PODS[0])
+    home = refine(w, body("q1"), PODS[0])
     other = next(p for p in PODS if p != home)
     w.refused.add(home)
-    assert w.pool.refine(body("q1"), other) == other
+    assert refine(w, body("q1"), other) == other
     assert w.reasons[-1] == "kept"
 
 
 def test_new_engine_ids_drop_what_the_pod_held() -> None:
     w = World()
-    home = w.pool.refine(body("q1"), PODS[0])
+    home = refine(w, body("q1"), PODS[0])
     w.pool.engines_seen(home, {0: "a_dp0"})
     w.pool.engines_seen(home, {0: "a_dp0"})
     assert home in w.pool.affinity.known()
@@ -81,17 +102,17 @@ def test_new_engine_ids_drop_what_the_pod_held() -> None:
 def test_members_leaving_the_pool_lose_their_sets() -> None:
     w = World()
     for index in range(12):
-        w.pool.refine(body(f"q{index}", model=f"m{index}"), PODS[0])
+        refine(w, body(f"q{index}", model=f"m{index}"), PODS[0])
     assert len(w.pool.affinity.known()) >= 2
     w.members = [PODS[0]]
-    assert w.pool.refine(body("q1"), PODS[0]) == PODS[0]
+    assert refine(w, body("q1"), PODS[0]) == PODS[0]
     assert set(w.pool.affinity.known()) == {PODS[0]}
 
 
 def test_no_usable_member_keeps_the_header_pick() -> None:
     w = World()
     w.open.update(PODS)
-    assert w.pool.refine(body("q1"), PODS[2]) == PODS[2]
+    assert refine(w, body("q1"), PODS[2]) == PODS[2]
     assert w.reasons == ["kept"]
 
 
@@ -114,10 +135,10 @@ def test_cached_share_of_any_answer_is_a_share_or_none(raw: bytes) -> None:
 def test_a_pod_reporting_fewer_cached_tokens_than_predicted_shrinks_its_set() -> None:
     def remembered(cached: int) -> int:
         w = World()
-        home = w.pool.refine(body("q0", request_id="r0"), PODS[0])
+        home = refine(w, body("q0", request_id="r0"), PODS[0])
         for index in range(1, 40):
             question = f"q{index} " * 200  # blocks of its own beyond the system prompt's
-            chosen = w.pool.refine(body(question, request_id=f"r{index}"), PODS[0])
+            chosen = refine(w, body(question, request_id=f"r{index}"), PODS[0])
             assert chosen == home
             w.pool.answered(f"r{index}", home, answer(cached))
         return w.pool.affinity.known()[home]
@@ -128,8 +149,8 @@ def test_a_pod_reporting_fewer_cached_tokens_than_predicted_shrinks_its_set() ->
 
 def test_answers_without_a_prediction_or_from_another_pod_teach_nothing() -> None:
     w = World()
-    home = w.pool.refine(body("q0", request_id="r0"), PODS[0])
-    w.pool.refine(body("q1", request_id="r1"), PODS[0])
+    home = refine(w, body("q0", request_id="r0"), PODS[0])
+    refine(w, body("q1", request_id="r1"), PODS[0])
     before = dict(w.pool.affinity.known())
     other = next(p for p in PODS if p != home)
     w.pool.answered("r1", other, answer(0))
@@ -150,9 +171,9 @@ def test_a_member_whose_prefill_failed_is_left_out_for_a_while() -> None:
         balance=1.25,
         clock=lambda: now[0],
     )
-    home = w.pool.refine(body("q1"), PODS[0])
+    home = refine(w, body("q1"), PODS[0])
     w.pool.prefill_failed(home)
-    moved = w.pool.refine(body("q1"), home)
+    moved = refine(w, body("q1"), home)
     assert moved != home  # not even as the header-time pick
     now[0] = 10.0
-    assert w.pool.refine(body("q1"), PODS[0]) == moved  # it stays where its cache now is
+    assert refine(w, body("q1"), PODS[0]) == moved  # it stays where its cache now is
