@@ -89,6 +89,12 @@ def socket_factory(dead_peer_s: float) -> Callable[[AddrInfoType], socket.socket
     return make
 
 
+# How long an idle connection to a pod is kept for reuse: below the 5 s after which vLLM's
+# (and SGLang's) HTTP server, uvicorn, closes an idle keep-alive connection. Reusing one the
+# pod is closing fails the prefill with a disconnect the pod did not cause.
+POD_KEEPALIVE_S = 4.0
+
+
 def new_session(max_connections: int, dead_peer_s: float = 0.0) -> aiohttp.ClientSession:
     """The client for bootstrap queries and prefills (aiohttp rather than httpx: a third of
     the CPU per request, measured with py-spy on the benchmark)."""
@@ -96,7 +102,7 @@ def new_session(max_connections: int, dead_peer_s: float = 0.0) -> aiohttp.Clien
         connector=aiohttp.TCPConnector(
             limit=max_connections,
             limit_per_host=0,
-            keepalive_timeout=60,
+            keepalive_timeout=POD_KEEPALIVE_S,
             socket_factory=socket_factory(dead_peer_s),
         ),
         # Pod-to-pod traffic: never route it through an HTTP(S)_PROXY from the environment.

@@ -436,3 +436,26 @@ def test_single_message_mode_sends_the_listed_headers_to_the_prefill() -> None:
 def test_prefill_header_names_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["envoy-config", "--decode", "127.0.0.1:1", "--prefill-header", "x'] || y"]) == 2
     assert "not a header name" in capsys.readouterr().err
+
+
+# uvicorn's default keep-alive, which vLLM's and SGLang's HTTP servers keep
+# (VLLM_HTTP_TIMEOUT_KEEP_ALIVE=5): an idle connection is closed by the pod after this long.
+ENGINE_KEEP_ALIVE_S = 5.0
+
+
+@pytest.mark.parametrize("extra", [[], ["--decode-choice", "prefix"], ["--single-message"]])
+def test_envoy_drops_idle_decode_connections_before_the_engine_does(
+    capsys: pytest.CaptureFixture[str], extra: list[str]
+) -> None:
+    """A decode request sent on a connection the engine is closing fails as a 503 (UC): it
+    happened against a real vLLM decode whenever a request came ~5 s after the one before."""
+    config = yaml.safe_load(
+        render(capsys, "--decode", "127.0.0.1:8200", "--decode", "127.0.0.1:8201", *extra)
+    )
+    (decode,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "decode"]
+    options = decode["typed_extension_protocol_options"]
+    http = options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    idle = http["common_http_protocol_options"]["idle_timeout"]
+    assert idle.endswith("s")
+    assert 0 < float(idle[:-1]) < ENGINE_KEEP_ALIVE_S
+    assert http["explicit_http_config"] == {"http_protocol_options": {}}  # HTTP/1.1, as before
