@@ -165,7 +165,7 @@ test-compose: $(STAMP)
 # venv, installed on first use and cached outside the clone (scripts/engines/install.sh). Uses
 # .venv-test as `make test` left it (made here when missing). One pair at a time, in the order
 # of ENGINE_TESTS.
-ENGINE_TESTS ?= tests/engines/test_nixl.py tests/engines/test_mooncake.py
+ENGINE_TESTS ?= tests/engines/test_nixl.py tests/engines/test_prefix_pool.py tests/engines/test_mooncake.py
 
 test-engines:
 	@test -x $(TPY) || $(MAKE) --no-print-directory test-venv

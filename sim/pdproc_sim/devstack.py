@@ -250,9 +250,11 @@ def start_pdproc(
     env: dict[str, str] | None = None,
     listen: HostPort | None = None,
     metrics: HostPort | None = None,
+    ready_timeout_s: float = 30.0,
 ) -> tuple[Process, HostPort, HostPort]:
     """`pdproc serve` (on free ports unless given); returns the process, its gRPC and
-    metrics addresses once it reports ready. Ports picked here may be taken by another
+    metrics addresses once it reports ready (within `ready_timeout_s`: longer on a machine
+    whose cores busy engines hold). Ports picked here may be taken by another
     process before pdproc binds them (pdproc then refuses them): it is tried again on
     others, a few times."""
     for attempt in range(_PORT_ATTEMPTS):
@@ -267,7 +269,12 @@ def start_pdproc(
         proc = spawn(name, argv, workdir, env=env)
         metrics_url = chosen_metrics.url()
         try:
-            wait_for(lambda url=metrics_url: http_get(url + "/readyz")[0] == 200, name, proc=proc)
+            wait_for(
+                lambda url=metrics_url: http_get(url + "/readyz")[0] == 200,
+                name,
+                timeout_s=ready_timeout_s,
+                proc=proc,
+            )
         except BaseException as exc:
             # A pdproc that never got ready (timed out, interrupted) is stopped here: the
             # caller never gets its handle, so nobody else would.

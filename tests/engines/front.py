@@ -68,16 +68,17 @@ def running_front(
     replicas: int = 1,
     workers: str = "0",
     extra: Sequence[str] = (),
+    pool: Sequence[str] = (),
 ) -> Iterator[Front]:
     """`replicas` pdproc processes (each `--workers` as given; "0", pdproc's default, is one
-    per usable CPU), the prefill engine as their pool, Envoy routing to the decode."""
+    per usable CPU), the prefill engine as their pool (or the members of `pool`, host:port
+    each, e.g. recording proxies before several prefills), Envoy routing to the decode."""
     folder = workdir / name
     folder.mkdir(parents=True, exist_ok=True)
     args = [
         "--kv-connector",
         PDPROC_CONNECTOR[prefill.connector],
-        "--prefill",
-        prefill.host_port,
+        *[arg for member in pool or [prefill.host_port] for arg in ("--prefill", member)],
         "--prefill-allow",
         "127.0.0.1/32",
         "--workers",
@@ -90,7 +91,9 @@ def running_front(
     envoy: Envoy | None = None
     try:
         for index in range(replicas):
-            started.append(start_pdproc(folder, args, name=f"pdproc-{index}"))
+            # vLLM's CPU workers keep the cores busy even when idle: pdproc's workers take
+            # longer to come up beside them than the stack's default allows.
+            started.append(start_pdproc(folder, args, name=f"pdproc-{index}", ready_timeout_s=120))
         envoy = start_envoy(
             folder, [HostPort("127.0.0.1", decode.port)], [listen for _, listen, _ in started]
         )

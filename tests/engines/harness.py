@@ -273,8 +273,10 @@ def engine(
     workdir: Path,
     libcuda: Path | None = None,
     extra_args: Sequence[str] = (),
+    name: str = "",
 ) -> Engine:
-    """An engine ready to start: flags, environment, free ports (loopback only)."""
+    """An engine ready to start: flags, environment, free ports (loopback only). `name`
+    (default connector-role) names its log: two engines of one role need their own."""
     port, side_port = free_port(), free_port()
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
     config: dict[str, Any]
@@ -289,8 +291,8 @@ def engine(
         "TRANSFORMERS_OFFLINE": "1",
     }
     # The test venv's interpreter must not leak into the engines' (its .pth files and paths).
-    for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
-        env.pop(name, None)
+    for variable in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+        env.pop(variable, None)
     if connector == "nixl":
         config = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
@@ -331,7 +333,7 @@ def engine(
         json.dumps(config),
         *extra_args,
     ]
-    name = f"{connector}-{role}"
+    name = name or f"{connector}-{role}"
     return Engine(name, role, connector, port, argv, env, workdir / f"{name}.log", side_port)
 
 

@@ -41,6 +41,7 @@ class Exchange:
     status: int
     content_type: str
     response: bytes
+    request_id: str = ""  # the request's x-request-id
 
     def response_json(self) -> Any:
         return json.loads(self.response)
@@ -126,6 +127,7 @@ async def _relay(recorder: Recorder, request: web.Request) -> web.StreamResponse
             upstream.status,
             upstream.headers.get("content-type", ""),
             bytes(body),
+            request.headers.get("x-request-id", ""),
         )
     )
     return answer

@@ -1,0 +1,242 @@
+"""The prefix-aware pool policy against real prefix caches: two vLLM prefill engines (NIXL,
+prefix caching on, a KV cache capped at 40 blocks of 32 tokens so that they evict) and one
+decode, behind Envoy and the installed pdproc in pool mode.
+
+Multi-turn conversations are sent one request at a time, their turns interleaved, once per
+policy (each policy with prompts of its own, so that neither finds the other's). A recording
+proxy in front of each prefill keeps what the engine answered. For every prefill it checks
+that what pdproc predicted the pod holds (its log line: `prefix_matched_bytes` of
+`prefix_prompt_bytes`) matches the engine's own count (`usage.prompt_tokens_details.
+cached_tokens` of `prompt_tokens`) within one block of each, and that the engines' own
+counters (`prompt_tokens_by_source_total{source="local_cache_hit"}`) agree with those
+answers. Then the prefix policy's engines found more of their prompts cached than
+least-loaded's did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engines.front import KV_SOURCE, Front, openai_body, running_front, send
+from tests.engines.harness import Engine, engine, measured
+from tests.engines.recorder import Recorder, recording_proxy
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.timeout(1800)
+
+ENGINE_BLOCK_TOKENS = 32
+PDPROC_BLOCK_BYTES = 256  # pdproc.prefix_affinity.BLOCK_BYTES, restated: the test's own bound
+# Prompts of a few KiB, as chat applications' system prompts and histories are: pdproc's
+# blocks are 256 bytes, so a prompt of a few hundred bytes would make "within one block" a
+# bound that cannot fail. The suite's model has 512 positions: stretched for this test.
+LONG = ("--max-model-len", "2048", "--hf-overrides", '{"max_position_embeddings": 2048}')
+# A KV cache of 100 blocks of 32 tokens (3,200 tokens): about half of what every
+# conversation holds together, so that one engine cannot keep them all and where each turn
+# goes decides what it finds cached.
+CAPPED = (
+    *LONG,
+    "--enable-prefix-caching",
+    "--block-size",
+    str(ENGINE_BLOCK_TOKENS),
+    "--num-gpu-blocks-override",
+    "100",
+    "--enable-prompt-tokens-details",
+)
+CONVERSATIONS = 5
+TURNS = 5
+SYSTEMS = 2  # conversations share system prompts, as chat applications' do
+AGREEMENT = 0.9  # the share of requests whose prediction must match within a block
+
+
+@dataclass
+class Prefilled:
+    """One prefill as pdproc predicted it and as the engine reported it."""
+
+    pod: int
+    matched_bytes: int | None  # None: no prediction (least-loaded, or the pick was kept)
+    prompt_bytes: int | None
+    cached_tokens: int
+    prompt_tokens: int
+
+    @property
+    def predicted(self) -> float | None:
+        if self.matched_bytes is None or not self.prompt_bytes:
+            return None
+        return self.matched_bytes / self.prompt_bytes
+
+    @property
+    def found(self) -> float:
+        return self.cached_tokens / self.prompt_tokens
+
+    @property
+    def agrees(self) -> bool:
+        """Within one block of pdproc's and one of the engine's: pdproc counts whole
+        256-byte blocks of the client's JSON, the engine whole 32-token blocks."""
+        if self.predicted is None or not self.prompt_bytes:
+            return False
+        bound = PDPROC_BLOCK_BYTES / self.prompt_bytes + ENGINE_BLOCK_TOKENS / self.prompt_tokens
+        return abs(self.predicted - self.found) <= bound
+
+
+@pytest.fixture(scope="module")
+def engines(model: Path, engines_workdir: Path) -> Iterator[tuple[list[Engine], Engine]]:
+    workdir = engines_workdir / "prefix-pool"
+    workdir.mkdir(parents=True, exist_ok=True)
+    prefills = [
+        engine("nixl", "prefill", model, workdir, extra_args=CAPPED, name=f"nixl-prefill-{i}")
+        for i in range(2)
+    ]
+    decode = engine("nixl", "decode", model, workdir, extra_args=LONG)
+    started = [*prefills, decode]
+    for one in started:
+        # Three engines on the suite's two cores: one compute thread each, or their OpenMP
+        # threads spend the cores waiting on each other.
+        one.env["OMP_NUM_THREADS"] = "1"
+    try:
+        for one in started:
+            one.start()
+        for one in started:
+            one.extra["ready_s"] = one.wait_ready()
+        yield prefills, decode
+    finally:
+        for one in reversed(started):
+            one.stop()
+
+
+@pytest.fixture(scope="module")
+def recorders(engines: tuple[list[Engine], Engine]) -> Iterator[list[Recorder]]:
+    prefills, _ = engines
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(recording_proxy(one.url)) for one in prefills]
+
+
+def conversations(front: Front, tag: str) -> None:
+    """CONVERSATIONS conversations of TURNS turns, their turns interleaved, one request at
+    a time (request k is conversation k % CONVERSATIONS)."""
+    histories: list[list[dict[str, str]]] = []
+    for index in range(CONVERSATIONS):
+        rules = " ".join(f"rule {n}: answer about the sea and the city." for n in range(28))
+        system = f"{tag} system {index % SYSTEMS}: {rules}"
+        histories.append([{"role": "system", "content": system}])
+    for turn in range(TURNS):
+        for index, messages in enumerate(histories):
+            question = f"{tag} conversation {index} question {turn}: " + "tell me a story " * 8
+            messages.append({"role": "user", "content": question})
+            body = openai_body("/v1/chat/completions", "", stream=False, max_tokens=4)
+            body.pop("messages")
+            body["messages"] = messages
+            answer = send(front.url, "/v1/chat/completions", body)
+            assert answer.status == 200, answer.body
+            messages.append({"role": "assistant", "content": answer.text})
+
+
+def prefill_lines(front: Front) -> list[dict[str, Any]]:
+    """Every "pd request prefilled" log line of the front's pdproc (all its workers)."""
+    lines = []
+    for process, _ in front.replicas:
+        for line in process.log_path.read_text().splitlines():
+            if line.startswith("{") and '"pd request prefilled"' in line:
+                lines.append(json.loads(line))
+    return lines
+
+
+def run_policy(
+    name: str,
+    engines: tuple[list[Engine], Engine],
+    recorders: list[Recorder],
+    workdir: Path,
+    extra: tuple[str, ...] = (),
+) -> tuple[list[Prefilled], float]:
+    """The conversations through a front with this policy: each prefill's prediction and
+    report, and the engines' hit rate by their own counters."""
+    prefills, decode = engines
+    for recorder in recorders:
+        recorder.clear()
+    hits_before = [one.metric(KV_SOURCE, source="local_cache_hit") for one in prefills]
+    computed_before = [one.metric(KV_SOURCE, source="local_compute") for one in prefills]
+    pool = [f"127.0.0.1:{recorder.port}" for recorder in recorders]
+    # One pdproc process: each process predicts from the sets of what it sent itself (with
+    # --workers N, a turn another process routed is not in them), and the prediction is
+    # what is checked here.
+    with running_front(
+        name, workdir, prefills[0], decode, workers="1", extra=extra, pool=pool
+    ) as front:
+        conversations(front, name)
+        total = CONVERSATIONS * TURNS
+
+        def every_line() -> list[dict[str, Any]] | None:
+            found = prefill_lines(front)
+            return found if len(found) == total else None
+
+        lines = eventually(every_line, timeout_s=30, what="a log line per prefill")
+    records = matched_records(lines, recorders, pool)
+    hits = sum(one.metric(KV_SOURCE, source="local_cache_hit") for one in prefills)
+    computed = sum(one.metric(KV_SOURCE, source="local_compute") for one in prefills)
+    hits -= sum(hits_before)
+    computed -= sum(computed_before)
+    # The engines' own counters say what their answers said.
+    assert hits == sum(record.cached_tokens for record in records), (hits, records)
+    return records, hits / (hits + computed)
+
+
+def matched_records(
+    lines: list[dict[str, Any]], recorders: list[Recorder], pool: list[str]
+) -> list[Prefilled]:
+    """Each log line with the answer its pod gave to that prefill (the prefill request
+    carries pdproc's request id as its own)."""
+    answers: dict[str, tuple[int, dict[str, Any]]] = {}
+    for pod, recorder in enumerate(recorders):
+        for exchange in recorder.exchanges:
+            if exchange.path.endswith("/chat/completions"):
+                reply = exchange.response_json()
+                answers[exchange.request_id] = (pod, reply["usage"])
+    records = []
+    for line in sorted(lines, key=lambda line: line["ts"]):
+        pod, usage = answers[line["request_id"]]
+        assert line["prefill_target"] == pool[pod]
+        records.append(
+            Prefilled(
+                pod,
+                line.get("prefix_matched_bytes"),
+                line.get("prefix_prompt_bytes"),
+                usage["prompt_tokens_details"]["cached_tokens"],
+                usage["prompt_tokens"],
+            )
+        )
+    return records
+
+
+def test_predicted_hits_match_the_engines_and_beat_least_loaded(
+    engines: tuple[list[Engine], Engine], recorders: list[Recorder], engines_workdir: Path
+) -> None:
+    workdir = engines_workdir / "prefix-pool"
+    least, least_rate = run_policy(
+        "least-loaded", engines, recorders, workdir, ("--pool-policy", "least-loaded")
+    )
+    prefix, prefix_rate = run_policy("prefix", engines, recorders, workdir)
+    agreeing = [record.agrees for record in prefix]
+    gaps = [abs(r.predicted - r.found) for r in prefix if r.predicted is not None]
+    measured(
+        f"prefix pool on two NIXL prefills: the engines' hit rate {prefix_rate:.3f} "
+        f"(least-loaded {least_rate:.3f}); pdproc's prediction within a block of the "
+        f"engine's count for {sum(agreeing)} of {len(agreeing)} prefills (|predicted - "
+        f"found| mean {sum(gaps) / max(1, len(gaps)):.3f}, max {max(gaps, default=0):.3f})"
+    )
+    assert sum(agreeing) >= AGREEMENT * len(agreeing), [
+        (n, r.matched_bytes, r.prompt_bytes, r.cached_tokens, r.prompt_tokens, r.pod)
+        for n, r in enumerate(prefix)
+        if not r.agrees
+    ]
+    # Each conversation stayed on one pod, and both pods served.
+    homes = [{r.pod for r in prefix[c::CONVERSATIONS]} for c in range(CONVERSATIONS)]
+    assert all(len(pods) == 1 for pods in homes), homes
+    assert set().union(*homes) == {0, 1}, homes
+    assert prefix_rate > least_rate, (prefix_rate, least_rate)
+    assert len(least) == len(prefix) == CONVERSATIONS * TURNS
