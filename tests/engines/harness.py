@@ -283,6 +283,11 @@ def engine(
     env = {
         **os.environ,
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        # One compute thread per engine: two or three engines on the suite's two cores with
+        # OpenMP's default (a thread per core each) spend the cores waiting on each other
+        # (the prefix-pool module took 11.5 min so, with two pdproc workers; 6 min with one
+        # thread each and one worker).
+        "OMP_NUM_THREADS": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_HOST_IP": "127.0.0.1",
         "VLLM_NO_USAGE_STATS": "1",

@@ -95,10 +95,6 @@ def engines(model: Path, engines_workdir: Path) -> Iterator[tuple[list[Engine], 
     ]
     decode = engine("nixl", "decode", model, workdir, extra_args=LONG)
     started = [*prefills, decode]
-    for one in started:
-        # Three engines on the suite's two cores: one compute thread each, or their OpenMP
-        # threads spend the cores waiting on each other.
-        one.env["OMP_NUM_THREADS"] = "1"
     try:
         for one in started:
             one.start()
