@@ -230,9 +230,11 @@ def test_predicted_hits_match_the_engines_and_beat_least_loaded(
         for n, r in enumerate(prefix)
         if not r.agrees
     ]
-    # Each conversation stayed on one pod, and both pods served.
+    # Each conversation stayed on one pod. (Not that both pods served: one request at a
+    # time leaves every pod idle, and an idle pod is never held back by its share, so when
+    # both system prompts' homes are the same pod, everything goes there. The pool members
+    # are ports picked at run time, so that is the case in about half of the runs.)
     homes = [{r.pod for r in prefix[c::CONVERSATIONS]} for c in range(CONVERSATIONS)]
     assert all(len(pods) == 1 for pods in homes), homes
-    assert set().union(*homes) == {0, 1}, homes
     assert prefix_rate > least_rate, (prefix_rate, least_rate)
     assert len(least) == len(prefix) == CONVERSATIONS * TURNS
