@@ -24,6 +24,7 @@ from pdproc.config import (
 )
 from pdproc.extproc_messages import REQUEST_ATTRIBUTES
 from pdproc.gateway_fields import GATEWAY_HEADERS
+from pdproc.pod_http import POD_KEEPALIVE_S
 from pdproc.targets import PREFILL_HEADER, HostPort, parse_host_port
 
 _ACCESS_LOG = """\
@@ -435,6 +436,7 @@ def render(options: EnvoyOptions) -> str:
         request_headers_timeout_s=_seconds(options.request_headers_timeout_s),
         request_timeout_s=_seconds(options.request_timeout_s),
         max_message_timeout_s=_seconds(options.max_message_timeout_s),
+        pod_idle_timeout_s=_seconds(POD_KEEPALIVE_S),
         **_decode_routing(options),
         processor_type=_cluster_type(options.processor),
         decode_endpoints=_endpoints(options.decode),

@@ -91,8 +91,8 @@ def running_front(
     envoy: Envoy | None = None
     try:
         for index in range(replicas):
-            # vLLM's CPU workers keep the cores busy even when idle: pdproc's workers take
-            # longer to come up beside them than the stack's default allows.
+            # Beside engines that hold the cores (warming up, serving), pdproc's workers
+            # take longer to come up than the stack's default allows.
             started.append(start_pdproc(folder, args, name=f"pdproc-{index}", ready_timeout_s=120))
         envoy = start_envoy(
             folder, [HostPort("127.0.0.1", decode.port)], [listen for _, listen, _ in started]

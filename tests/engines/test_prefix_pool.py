@@ -1,6 +1,6 @@
 """The prefix-aware pool policy against real prefix caches: two vLLM prefill engines (NIXL,
-prefix caching on, a KV cache capped at 40 blocks of 32 tokens so that they evict) and one
-decode, behind Envoy and the installed pdproc in pool mode.
+prefix caching on, a KV cache capped at 100 blocks of 32 tokens so that they evict) and one
+decode, behind Envoy and one installed pdproc process in pool mode.
 
 Multi-turn conversations are sent one request at a time, their turns interleaved, once per
 policy (each policy with prompts of its own, so that neither finds the other's). A recording
@@ -79,7 +79,7 @@ class Prefilled:
     def agrees(self) -> bool:
         """Within one block of pdproc's and one of the engine's: pdproc counts whole
         256-byte blocks of the client's JSON, the engine whole 32-token blocks."""
-        if self.predicted is None or not self.prompt_bytes:
+        if self.predicted is None or self.prompt_bytes is None:
             return False
         bound = PDPROC_BLOCK_BYTES / self.prompt_bytes + ENGINE_BLOCK_TOKENS / self.prompt_tokens
         return abs(self.predicted - self.found) <= bound
@@ -116,17 +116,16 @@ def recorders(engines: tuple[list[Engine], Engine]) -> Iterator[list[Recorder]]:
 def conversations(front: Front, tag: str) -> None:
     """CONVERSATIONS conversations of TURNS turns, their turns interleaved, one request at
     a time (request k is conversation k % CONVERSATIONS)."""
-    histories: list[list[dict[str, str]]] = []
-    for index in range(CONVERSATIONS):
-        rules = " ".join(f"rule {n}: answer about the sea and the city." for n in range(28))
-        system = f"{tag} system {index % SYSTEMS}: {rules}"
-        histories.append([{"role": "system", "content": system}])
+    rules = " ".join(f"rule {n}: answer about the sea and the city." for n in range(28))
+    histories = [
+        [{"role": "system", "content": f"{tag} system {index % SYSTEMS}: {rules}"}]
+        for index in range(CONVERSATIONS)
+    ]
     for turn in range(TURNS):
         for index, messages in enumerate(histories):
             question = f"{tag} conversation {index} question {turn}: " + "tell me a story " * 8
             messages.append({"role": "user", "content": question})
             body = openai_body("/v1/chat/completions", "", stream=False, max_tokens=4)
-            body.pop("messages")
             body["messages"] = messages
             answer = send(front.url, "/v1/chat/completions", body)
             assert answer.status == 200, answer.body
