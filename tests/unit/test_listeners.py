@@ -48,3 +48,23 @@ def test_check_names_the_flag_of_the_held_port(listening: int) -> None:
 def test_unset_and_port_zero_listeners_are_not_probed(listening: int) -> None:
     # Port 0 picks a free port at bind time; None is a listener that is off.
     check_ports_free([(None, "--metrics-listen"), (HostPort("127.0.0.1", 0), "--listen")])
+
+
+def test_a_metrics_port_taken_after_the_probe_is_refused_clearly() -> None:
+    """The race the probe leaves: another process binds the metrics port between the probe
+    and pdproc's own bind. `run` then says which flag's port is taken and exits 2, having
+    released what it had already started (its gRPC port is free again)."""
+    from pdproc.config import Settings
+    from pdproc.server import run
+
+    grpc_port = free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        settings = Settings(
+            listen=HostPort("127.0.0.1", grpc_port),
+            metrics_listen=HostPort("127.0.0.1", taken),
+        )
+        assert run(settings) == 2
+    assert not port_held("127.0.0.1", grpc_port)
