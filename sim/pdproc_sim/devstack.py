@@ -280,7 +280,9 @@ def start_pdproc(
             # caller never gets its handle, so nobody else would.
             proc.stop()
             picked_here = listen is None or metrics is None
-            lost_race = "already in use by another process" in proc.tail()
+            tail = proc.tail()
+            # The start-up probe's refusal, or a bind that failed after it (gRPC's port).
+            lost_race = "already in use by another process" in tail or "port in use?" in tail
             if (
                 isinstance(exc, RuntimeError)
                 and picked_here
