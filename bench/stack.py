@@ -70,7 +70,7 @@ DESCRIPTIONS = {
     "floor": "client -> Envoy + bench/floor.py (smallest correct Mooncake ext_proc) -> decode",
     "pdproc": "client -> Envoy + pdproc (P/D, x-prefiller-host-port) -> decode; pdproc -> prefill",
     "pdproc-baseline": "as pdproc, with another pdproc installation (--baseline-pdproc)",
-    "pdproc-auto-workers": "as pdproc, with pdproc's default --workers (one per usable CPU)",
+    "pdproc-auto-workers": "as pdproc, one process per CPU it may run on (--workers N)",
     "pdproc-buffered": "as pdproc, every body buffered (--stream-body-bytes 0)",
     "pdproc-defaults": "as pdproc, with every `pdproc serve` default (as installed from the wheel)",
     "pdproc-1msg": "as pdproc, Envoy in single-message mode (envoy-config --single-message)",
@@ -277,8 +277,8 @@ def _own_args(name: str, opts: StackOptions) -> list[str]:
         # The default spelled out: devstack.start_pdproc asks for one process otherwise.
         args = ["--workers", str(serve_default("workers"))]
         return args if opts.max_body_bytes <= _DEFAULT_BODY_LIMIT else args + _body_limits(opts)
-    # 0 is pdproc's own default: one process per usable CPU.
-    workers = 0 if name == "pdproc-auto-workers" else opts.workers
+    # One per CPU: the default until it oversubscribed the cores Envoy shares.
+    workers = len(os.sched_getaffinity(0)) if name == "pdproc-auto-workers" else opts.workers
     args = ["--log-level", opts.pdproc_log_level, "--workers", str(workers)]
     if name == "pdproc-buffered":
         args += ["--stream-body-bytes", "0"]

@@ -415,8 +415,9 @@ class Settings:
     )
     workers: int = _setting(
         0,
-        "Processes sharing the listen port (SO_REUSEPORT). 0: one per CPU the process may "
-        "use (its cgroup's CPU limit, else its CPU affinity; one when the port is 0).",
+        "Processes sharing the listen port (SO_REUSEPORT). 0: one per CPU of the "
+        "container's CPU limit; without a limit, one per two CPUs the process may run on "
+        "(the rest are Envoy's); one when the port is 0.",
         _non_negative_int,
     )
     log_level: str = _setting(

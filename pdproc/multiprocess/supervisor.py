@@ -1,6 +1,7 @@
 """The parent of `pdproc serve --workers N`: it starts the workers, and only supervises them.
 
-How many: `--workers`, or one per usable CPU (a container's CPU limit, else the affinity);
+How many: `--workers`, or by default one per CPU that is pdproc's own (a container's CPU
+limit), else one per two CPUs it may run on (a host it shares with the gateway's Envoy);
 one when the port is 0, as processes cannot share a port each of them picks. The parent
 makes the shared directory (pdproc.multiprocess.sharing) before any worker starts, starts
 each worker with its share of the totals (budgets.py), restarts one that dies (its gauges
@@ -30,20 +31,26 @@ log = logging.getLogger("pdproc.workers")
 
 
 def worker_count(settings: Settings) -> int:
-    """How many processes `settings` asks for; 0 means one per usable CPU."""
+    """How many processes `settings` asks for; 0 means `default_workers()`."""
     if settings.workers:
         return settings.workers
     if settings.listen.port == 0:
         return 1  # processes cannot share a port each of them picks
-    return usable_cpus()
+    return default_workers()
 
 
-def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
-    """The CPUs this process may use: its cgroup's CPU limit (a container's `limits.cpu`,
-    rounded up) if it has one, else the CPUs it may be scheduled on."""
+def default_workers(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """One process per CPU that is pdproc's own: its cgroup's CPU limit (a container's
+    `limits.cpu`, rounded up, at most the CPUs it may be scheduled on). Without a limit the
+    CPUs are shared, with the gateway's Envoy above all (one worker thread per CPU by
+    default): one process per two of them. One per CPU there oversubscribed the cores:
+    on 2 CPUs shared with Envoy, 2 processes used 1.14-1.21x the CPU per request of one
+    and answered fewer requests (docs/bench-summary.md)."""
     cpus = len(os.sched_getaffinity(0))
     quota = _cgroup_cpu_limit(cgroup_root)
-    return max(1, min(cpus, quota) if quota is not None else cpus)
+    if quota is not None:
+        return max(1, min(cpus, quota))
+    return max(1, cpus // 2)
 
 
 def _cgroup_cpu_limit(root: str) -> int | None:
