@@ -70,9 +70,10 @@ def running_front(
     extra: Sequence[str] = (),
     pool: Sequence[str] = (),
 ) -> Iterator[Front]:
-    """`replicas` pdproc processes (each `--workers` as given; "0", pdproc's default, is one
-    per usable CPU), the prefill engine as their pool (or the members of `pool`, host:port
-    each, e.g. recording proxies before several prefills), Envoy routing to the decode."""
+    """`replicas` pdproc processes (each `--workers` as given; "0" is pdproc's default: one
+    per two CPUs here, no CPU limit), the prefill engine as their pool (or the members of
+    `pool`, host:port each, e.g. recording proxies before several prefills), Envoy routing to
+    the decode."""
     folder = workdir / name
     folder.mkdir(parents=True, exist_ok=True)
     args = [

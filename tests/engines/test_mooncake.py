@@ -62,7 +62,7 @@ def fronts(pair: tuple[Engine, Engine], engines_workdir: Path) -> Iterator[dict[
     workdir = engines_workdir / "mooncake"
     with (
         running_front("default-workers", workdir, prefill, decode) as single,
-        running_front("two-replicas", workdir, prefill, decode, replicas=2) as double,
+        running_front("two-replicas", workdir, prefill, decode, replicas=2, workers="2") as double,
         running_front(
             "long-ttl", workdir, prefill, decode, workers="1", extra=LONG_TTL
         ) as long_ttl,

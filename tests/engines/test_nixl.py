@@ -48,7 +48,7 @@ def fronts(pair: tuple[Engine, Engine], engines_workdir: Path) -> Iterator[dict[
     workdir = engines_workdir / "nixl"
     with (
         running_front("default-workers", workdir, prefill, decode) as single,
-        running_front("two-replicas", workdir, prefill, decode, replicas=2) as double,
+        running_front("two-replicas", workdir, prefill, decode, replicas=2, workers="2") as double,
     ):
         yield {"default-workers": single, "two-replicas": double}
 

@@ -4,6 +4,7 @@ per-concurrency request counts, and what each pdproc configuration passes to `pd
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -61,7 +62,8 @@ def test_what_each_pdproc_configuration_asks_of_pdproc_serve() -> None:
     assert "--max-body-bytes" in pdproc
     assert "--stream-body-bytes" not in pdproc
     auto = _own_args("pdproc-auto-workers", stack)
-    assert auto[auto.index("--workers") + 1] == "0"  # one per usable CPU
+    # One per CPU it may run on (the old default), spelled out.
+    assert auto[auto.index("--workers") + 1] == str(len(os.sched_getaffinity(0)))
     buffered = _own_args("pdproc-buffered", stack)
     assert buffered[buffered.index("--stream-body-bytes") + 1] == "0"
     # Bodies past pdproc's own limit: even pdproc-defaults gets room for them.
