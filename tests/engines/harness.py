@@ -12,7 +12,9 @@ import contextlib
 import functools
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -266,6 +268,35 @@ class Engine:
         )
 
 
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+
+
+def engine_port() -> int:
+    """A free loopback port below the kernel's ephemeral range, never handed out twice.
+    An engine binds its ports up to a minute after they are picked, while the other
+    engines' processes (ZMQ, UCX, their HTTP clients) take ephemeral ports of their own; a
+    port under that range is only bound by whoever asks for it by number."""
+    try:
+        low = int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    first = 10000 if low > 12000 else 1024
+    rng = random.Random()
+    for _ in range(1000):
+        candidate = rng.randrange(first, low)
+        if candidate in _handed_out:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
+        _handed_out.add(candidate)
+        return candidate
+    return free_port()  # a range this crowded: fall back to the kernel's choice
+
+
 def engine(
     connector: str,
     role: str,
@@ -277,7 +308,7 @@ def engine(
 ) -> Engine:
     """An engine ready to start: flags, environment, free ports (loopback only). `name`
     (default connector-role) names its log: two engines of one role need their own."""
-    port, side_port = free_port(), free_port()
+    port, side_port = engine_port(), engine_port()
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
     config: dict[str, Any]
     env = {

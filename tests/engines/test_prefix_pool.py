@@ -100,10 +100,32 @@ def engines(model: Path, engines_workdir: Path) -> Iterator[tuple[list[Engine], 
             one.start()
         for one in started:
             one.extra["ready_s"] = one.wait_ready()
+        for one in prefills:
+            first_handshake(one, decode, workdir)
         yield prefills, decode
     finally:
         for one in reversed(started):
             one.stop()
+
+
+def first_handshake(prefill: Engine, decode: Engine, workdir: Path) -> None:
+    """One P/D request per prefill before anything is measured. The decode's first NIXL
+    handshake with a just-started prefill engine waits 5 s for its answer, and on this
+    shared 2-core machine the prefill's listener thread once answered later than that (the
+    decode failed that request with a 500, and its next handshake passed): that is the
+    engines' start-up, not what the policies are compared on. Tried a few times; measured
+    requests must all succeed."""
+    path = "/v1/chat/completions"
+    with running_front(f"warm-{prefill.name}", workdir, prefill, decode, workers="1") as front:
+        statuses = []
+        for attempt in range(3):
+            body = openai_body(path, f"warm-up {attempt}", stream=False, max_tokens=2)
+            answer = send(front.url, path, body)
+            statuses.append(answer.status)
+            if answer.status == 200:
+                prefill.extra["first_handshake"] = statuses
+                return
+    raise AssertionError(f"{prefill.name}: no P/D request succeeded: {statuses}")
 
 
 @pytest.fixture(scope="module")
