@@ -30,7 +30,7 @@ from pdproc.engine_maps import EngineMaps
 from pdproc.extproc_wire import read_request, write_response
 from pdproc.http_site import BoundedTCPSite
 from pdproc.metrics import Metrics
-from pdproc.multiprocess.listeners import PortInUse
+from pdproc.multiprocess.listeners import PortInUse, in_use
 from pdproc.multiprocess.sharing import Sharing
 from pdproc.pod_http import new_session
 from pdproc.prefill import OutcomeHook, PrefillJob, PrefillLauncher, PrefillOutcome
@@ -270,10 +270,7 @@ class Server:
                 raise
             # Taken between the start-up probe and this bind: the same refusal as the
             # probe's, not a traceback.
-            raise PortInUse(
-                f"--metrics-listen {listen}: port {listen.port} is already in use by another "
-                "process (another pdproc?); stop it or choose another port"
-            ) from exc
+            raise in_use(listen, "--metrics-listen") from exc
         self.metrics_port = _bound_port(self._web, listen.port)
 
     async def _healthz(self, _: web.Request) -> web.Response:

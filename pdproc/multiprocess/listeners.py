@@ -47,7 +47,12 @@ def check_ports_free(listeners: Iterable[tuple[HostPort | None, str]]) -> None:
         if listen is None or listen.port == 0:
             continue
         if port_held(listen.host, listen.port):
-            raise PortInUse(
-                f"{flag} {listen}: port {listen.port} is already in use by another process "
-                "(another pdproc?); stop it or choose another port"
-            )
+            raise in_use(listen, flag)
+
+
+def in_use(listen: HostPort, flag: str) -> PortInUse:
+    """The refusal of a port another process holds (found by the probe, or by a bind)."""
+    return PortInUse(
+        f"{flag} {listen}: port {listen.port} is already in use by another process "
+        "(another pdproc?); stop it or choose another port"
+    )

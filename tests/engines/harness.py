@@ -282,9 +282,8 @@ def engine_port() -> int:
     except (OSError, ValueError, IndexError):
         low = 32768
     first = 10000 if low > 12000 else 1024
-    rng = random.Random()
     for _ in range(1000):
-        candidate = rng.randrange(first, low)
+        candidate = random.randrange(first, low)
         if candidate in _handed_out:
             continue
         with socket.socket() as probe:

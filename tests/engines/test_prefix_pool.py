@@ -123,7 +123,6 @@ def first_handshake(prefill: Engine, decode: Engine, workdir: Path) -> None:
             answer = send(front.url, path, body)
             statuses.append(answer.status)
             if answer.status == 200:
-                prefill.extra["first_handshake"] = statuses
                 return
     raise AssertionError(f"{prefill.name}: no P/D request succeeded: {statuses}")
 
