@@ -7,7 +7,9 @@ that carry a body are simple (a bytes field one to four levels down), so they ar
 written here by hand, and nothing else is: every other field still goes through protobuf.
 
 Reading: a `ProcessingRequest` whose one `request` member is `request_body` becomes a
-`BodyRequest` (the body a view of the gRPC message, copied only if it is needed as bytes;
+`BodyRequest`. A short message is parsed by protobuf (its copy of a few KiB costs less than
+walking the fields in Python: the headers messages and a short prompt's body, most of the
+traffic); a long one by hand (the body a view of the gRPC message, copied only if it is needed as bytes;
 the message's other fields, if any, parsed by protobuf). Anything unusual (a field spelled
 twice, an unexpected wire type, a group) is left to protobuf, so pdproc reads exactly what
 protobuf reads.
@@ -41,6 +43,9 @@ _REQUEST_ONEOF = frozenset(
 )
 _HTTP_BODY_BODY = _number(pb.HttpBody, "body")
 _HTTP_BODY_END = _number(pb.HttpBody, "end_of_stream")
+# Messages at least this long are read by hand: below it, protobuf's parse and copy take
+# about 2 us against 7-10 us for the Python walk over the fields (timeit, 1 KiB body).
+HAND_READ_BYTES = 64 * 1024
 
 
 class Body:

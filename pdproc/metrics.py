@@ -28,7 +28,7 @@ from prometheus_client import (
 )
 
 from pdproc import __version__
-from pdproc.outcomes import PREFILL_OUTCOMES, REQUEST_OUTCOMES
+from pdproc.outcomes import PREFILL_OUTCOMES, REQUEST_OUTCOMES, PrefillResult
 from pdproc.targets import HostPort
 from pdproc.tls_reload import TlsMaterial
 
@@ -74,6 +74,8 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         self._max_targets = max_targets
         self._flight_labels: dict[HostPort, str] = {}
+        self._flight_series: dict[str, Gauge] = {}
+        self._prefill_series: dict[PrefillResult, Counter] = {}
         r = self.registry
         # CPU and memory of this process (with --workers the page adds up the workers').
         ProcessCollector(registry=r)
@@ -252,7 +254,7 @@ class Metrics:
         if label is None:
             # A series of its own while under the bound; past it, targets share one.
             label = self._flight_labels[target] = self._label(target, len(self._flight_labels))
-        self.prefills_in_flight.labels(label).inc()
+        self._in_flight(label).inc()
 
     def prefill_finished(self, target: HostPort, still_in_flight: int) -> None:
         label = self._flight_labels.get(target, OTHER_TARGETS)
@@ -260,9 +262,25 @@ class Metrics:
             self._flight_labels.pop(target, None)
             if label != OTHER_TARGETS and self._removes_series:
                 # Nothing in flight: drop the series, so pods that are gone leave no trace.
+                self._flight_series.pop(label, None)
                 self.prefills_in_flight.remove(label)
                 return
-        self.prefills_in_flight.labels(label).dec()
+        self._in_flight(label).dec()
+
+    def _in_flight(self, label: str) -> Gauge:
+        """The in-flight series of `label`, looked up once while it exists (labels() takes
+        a lock and checks every value on each call)."""
+        series = self._flight_series.get(label)
+        if series is None:
+            series = self._flight_series[label] = self.prefills_in_flight.labels(label)
+        return series
+
+    def prefill_ended(self, outcome: PrefillResult) -> None:
+        """Count one finished prefill (its outcome's series looked up once)."""
+        series = self._prefill_series.get(outcome)
+        if series is None:
+            series = self._prefill_series[outcome] = self.prefills.labels(outcome)
+        series.inc()
 
     def unproven_changed(self, host: str, is_open: bool) -> None:
         if is_open:

@@ -333,7 +333,7 @@ class PrefillLauncher:
         outcome = job.outcome.result()
         if job.span is not None:
             _end_span(job.span, outcome)
-        self._metrics.prefills.labels(outcome.outcome).inc()
+        self._metrics.prefill_ended(outcome.outcome)
         self._metrics.prefill_seconds.observe(outcome.duration_s)
         self._log_outcome(job, outcome)
         if self._on_outcome is not None:

@@ -81,11 +81,11 @@ _TRAILERS = ErrorReply(ErrorKind.BAD_REQUEST, "request trailers are not supporte
 @dataclass(frozen=True, slots=True)
 class Deferred:
     """An answer that comes later. Envoy gives up on it after its message_timeout, so if it
-    is not ready `hold_after` seconds from now, `hold` (a longer timeout) is written first:
-    the usual short wait costs no extra message."""
+    is not ready `hold_after` seconds from now, `hold()` (a longer timeout, made then) is
+    written first: the usual short wait costs no extra message."""
 
     later: Awaitable[msg.Answer]
-    hold: msg.Answer
+    hold: Callable[[], msg.Answer]
     hold_after: float
 
 
@@ -557,8 +557,12 @@ class Disaggregated:
         the filter's max_message_timeout), and only sent when the wait nears Envoy's
         message_timeout."""
         settings = self._deps.settings
-        remaining = self._deps.launcher.timeout_s - (time.perf_counter() - job.started)
-        hold = msg.hold(min(max(remaining, 0.0) + 1.0, settings.envoy_max_message_timeout))
+        timeout_s = self._deps.launcher.timeout_s
+
+        def hold() -> msg.Answer:
+            remaining = timeout_s - (time.perf_counter() - job.started)
+            return msg.hold(min(max(remaining, 0.0) + 1.0, settings.envoy_max_message_timeout))
+
         # Leave the override time to reach Envoy before its own timer fires.
         timeout = settings.envoy_message_timeout
         return Deferred(later, hold, hold_after=max(timeout - 2.0, timeout / 2))

@@ -7,6 +7,7 @@ only allowed targets are ever contacted (SSRF protection).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from collections.abc import Iterable
@@ -31,10 +32,7 @@ class HostPort:
 
     @property
     def ip(self) -> IPAddress | None:
-        try:
-            return ipaddress.ip_address(self.host)
-        except ValueError:
-            return None
+        return _ip_of(self.host)
 
     @property
     def url_host(self) -> str:
@@ -46,6 +44,16 @@ class HostPort:
 
     def __str__(self) -> str:
         return f"{self.url_host}:{self.port}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _ip_of(host: str) -> IPAddress | None:
+    """The host as an IP address (None for a name). Asked for every request's target, and
+    the pods are few: parsed once each (bounded, as a header may name any host)."""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
 
 
 _PORT = re.compile(r"[0-9]{1,5}")

@@ -8,9 +8,25 @@ from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
+from collections.abc import Iterator
+
+from pdproc import extproc_wire
 from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc.extproc_wire import BodyRequest, Encoded, body_answer, read_request, write_response
+
+
+@pytest.fixture(autouse=True, scope="module", params=["by-hand", "short-by-protobuf"])
+def reading(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every reading test runs twice: with every message read by hand (the path of long
+    messages), and with the shipped threshold (short messages parsed by protobuf)."""
+    shipped = extproc_wire.HAND_READ_BYTES
+    if request.param == "by-hand":
+        extproc_wire.HAND_READ_BYTES = 0
+    try:
+        yield request.param
+    finally:
+        extproc_wire.HAND_READ_BYTES = shipped
 
 # Body sizes around the varint boundaries of every length prefix.
 SIZES = st.sampled_from([0, 1, 100, 116, 117, 127, 128, 16_370, 16_383, 16_384, 2_097_152])

@@ -704,7 +704,7 @@ async def test_nixl_decode_answering_while_the_prefill_runs_counts_nothing_yet(
 async def test_the_wait_for_a_prefill_asks_envoy_for_the_prefills_time(world: World) -> None:
     deferred = await sequential(world).request_body(body())
     assert isinstance(deferred, Deferred)
-    hold = deferred.hold.override_message_timeout
+    hold = deferred.hold().override_message_timeout  # made when it is sent: the rest from then
     assert 59 <= hold.seconds <= 61  # the rest of the 60 s prefill timeout, plus a second
     assert deferred.hold_after == world.settings.envoy_message_timeout - 2.0
     await settle(world.launcher.job, PrefillResult.TIMEOUT, error="slow")

@@ -300,11 +300,19 @@ async def test_a_stream_ending_with_its_prefill_running_cancels_it(world: World)
 
 
 async def test_a_stream_ending_while_the_decode_is_held_cancels_it(world: World) -> None:
+    """The client leaves while its decode's answer is held: Envoy resets the gRPC stream,
+    and gRPC cancels the call (the message loop, waiting on the held answer)."""
     d = Driver(Requests(world))
     await d.ask(headers())
     await d.ask(body())
     d.call.send(response())
-    await d.end()  # the held answer is never written
+    for _ in range(3):
+        await asyncio.sleep(0)  # the loop reads the response headers and holds them
+    d.task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await d.task
+    d.stream.close()
+    assert len(d.call.written) == 2  # the held answer is never written
     assert world.counted.only is Outcome.CANCELLED
 
 
@@ -369,7 +377,7 @@ async def test_a_bug_in_a_deferred_answer_is_a_counted_500(
         raise RuntimeError("simulated bug")
 
     async def deferred(self: Any, *_: Any) -> Deferred:
-        return Deferred(broken(), msg.hold(1.0), hold_after=60.0)
+        return Deferred(broken(), lambda: msg.hold(1.0), hold_after=60.0)
 
     monkeypatch.setattr(ConcurrentPair, "request_body", deferred)
     d = Driver(Requests(world))
@@ -402,7 +410,7 @@ async def test_an_answer_ready_after_the_request_ended_is_not_written(
         return msg.CHECKED_REQUEST_BODY
 
     async def deferred(self: Any, *_: Any) -> Deferred:
-        return Deferred(later(), msg.hold(1.0), hold_after=60.0)
+        return Deferred(later(), lambda: msg.hold(1.0), hold_after=60.0)
 
     monkeypatch.setattr(ConcurrentPair, "request_body", deferred)
     d = Driver(Requests(world))
