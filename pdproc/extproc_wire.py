@@ -14,9 +14,10 @@ the message's other fields, if any, parsed by protobuf). Anything unusual (a fie
 twice, an unexpected wire type, a group) is left to protobuf, so pdproc reads exactly what
 protobuf reads.
 
-Writing: a body answer is written as two messages back to back, which protobuf reads as one
-(an embedded message that appears twice is merged): protobuf serialises everything but the
-body, and the body mutation is framed here around the body's pieces, joined once.
+Writing: a long body answer is written as two messages back to back, which protobuf reads
+as one (an embedded message that appears twice is merged): protobuf serialises everything
+but the body, and the body mutation is framed here around the body's pieces, joined once.
+A short one is an ordinary protobuf message.
 
 Pure: no I/O.
 """
@@ -46,6 +47,8 @@ _HTTP_BODY_END = _number(pb.HttpBody, "end_of_stream")
 # Messages at least this long are read by hand: below it, protobuf's parse and copy take
 # about 2 us against 7-10 us for the Python walk over the fields (timeit, 1 KiB body).
 HAND_READ_BYTES = 64 * 1024
+# Body answers at least this long are framed by hand (below it: 6 us against 11 us, 1 KiB).
+HAND_WRITE_BYTES = 64 * 1024
 
 
 class Body:
@@ -90,10 +93,11 @@ class _Irregular(Exception):
 def read_request(data: bytes) -> pb.ProcessingRequest | BodyRequest:
     """gRPC's deserializer for ext_proc requests. DecodeError when protobuf cannot parse
     the message either."""
-    try:
-        return _read_body_request(memoryview(data))
-    except _Irregular:
-        pass
+    if len(data) >= HAND_READ_BYTES:
+        try:
+            return _read_body_request(memoryview(data))
+        except _Irregular:
+            pass
     message = pb.ProcessingRequest.FromString(data)
     if message.WhichOneof("request") != "request_body":
         return message
@@ -194,10 +198,17 @@ _COMMON_BODY_MUTATION = _number(pb.CommonResponse, "body_mutation")
 _BODY_MUTATION_BODY = _number(pb.BodyMutation, "body")
 
 
-def body_answer(head: pb.ProcessingResponse, pieces: Sequence[Buffer]) -> Encoded:
-    """`head` (everything but the body: header mutations, metadata) with a request body
-    mutation that replaces the body by `pieces`, joined: the only copy of the body."""
+def body_answer(
+    head: pb.ProcessingResponse, pieces: Sequence[Buffer]
+) -> pb.ProcessingResponse | Encoded:
+    """`head` (everything but the body: header mutations, metadata; used up) with a request
+    body mutation that replaces the body by `pieces`, joined: the only copy of a long body.
+    A short body is set on `head` and left to protobuf (its copy costs less than framing
+    by hand)."""
     size = sum(len(piece) for piece in pieces)
+    if size < HAND_WRITE_BYTES:
+        head.request_body.response.body_mutation.body = b"".join(pieces)
+        return head
     frames = []
     for number in (
         _BODY_MUTATION_BODY,
