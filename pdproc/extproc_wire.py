@@ -9,10 +9,10 @@ written here by hand, and nothing else is: every other field still goes through 
 Reading: a `ProcessingRequest` whose one `request` member is `request_body` becomes a
 `BodyRequest`. A short message is parsed by protobuf (its copy of a few KiB costs less than
 walking the fields in Python: the headers messages and a short prompt's body, most of the
-traffic); a long one by hand (the body a view of the gRPC message, copied only if it is needed as bytes;
-the message's other fields, if any, parsed by protobuf). Anything unusual (a field spelled
-twice, an unexpected wire type, a group) is left to protobuf, so pdproc reads exactly what
-protobuf reads.
+traffic); a long one by hand (the body a view of the gRPC message, copied only if it is
+needed as bytes; the message's other fields, if any, parsed by protobuf). Anything unusual
+(a field spelled twice, an unexpected wire type, a group) is left to protobuf, so pdproc
+reads exactly what protobuf reads.
 
 Writing: a long body answer is written as two messages back to back, which protobuf reads
 as one (an embedded message that appears twice is merged): protobuf serialises everything

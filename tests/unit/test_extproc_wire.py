@@ -3,12 +3,12 @@ protobuf's own parse of the same bytes, body answers against protobuf's own mess
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
-
-from collections.abc import Iterator
 
 from pdproc import extproc_wire
 from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
@@ -27,6 +27,7 @@ def wire(request: pytest.FixtureRequest) -> Iterator[str]:
         yield request.param
     finally:
         extproc_wire.HAND_READ_BYTES, extproc_wire.HAND_WRITE_BYTES = shipped
+
 
 # Body sizes around the varint boundaries of every length prefix.
 SIZES = st.sampled_from([0, 1, 100, 116, 117, 127, 128, 16_370, 16_383, 16_384, 2_097_152])
