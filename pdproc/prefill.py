@@ -15,7 +15,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -251,7 +251,14 @@ class PrefillLauncher:
         body = _SentOnce(legs.prefill_body, sent)
         job = PrefillJob(
             target,
-            replace(legs, prefill_body=Pieces(()), decode_body=None),
+            # Built, not dataclasses.replace()d: a third of the cost, on every request.
+            Legs(
+                prefill_body=Pieces(()),
+                decode_body=None,
+                prefill_headers=legs.prefill_headers,
+                rank=legs.rank,
+                facts=legs.facts,
+            ),
             client_headers.get("x-request-id", ""),
             path,
             time.perf_counter(),

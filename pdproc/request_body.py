@@ -12,7 +12,8 @@ members, where the members pdproc overrides are replaced and every other one is 
 the client spelled it. So both legs carry every number and string exactly, and a duplicate
 key (which the engines, like msgspec, read as its last value) reaches the prefill once. The
 members that are not plain ASCII strings are decoded in full once, in C, to check them
-(nesting, UTF-8, number range); the decoded values are dropped at once. That decode holds
+(nesting, UTF-8, number range); the decoded values are dropped at once. A short body is
+decoded whole once instead (fewer calls for the usual request, the same rules). That decode holds
 every value of a member as a Python object, so first a bound on what it may hold is counted
 in C over the member's bytes (commas, colons and opening brackets): a member of millions of
 tiny values (`[0,0,0,...]`, `[{},{},...]`, `{"k0":0,"k1":0,...}`) is refused before it is
@@ -66,6 +67,9 @@ _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # orjson's encoder refuses exactly bey
 MAX_VALUES = 1 << 20
 # At most this many top-level members: the engines' request models have about a hundred.
 MAX_MEMBERS = 4096
+# A body shorter than this (and not a wide object) is checked whole, not member by member:
+# 12.5 -> ~5 us for a 1 KiB chat request (timeit), the same rules and messages.
+CHECKED_WHOLE_BELOW = 64 * 1024
 _COUNTED_CHUNK = 1 << 20
 _UNCOUNTED = bytes(set(range(256)) - set(b",[{:"))
 _MEMBERS = msgspec.json.Decoder(Members)
@@ -92,13 +96,16 @@ def parse_body(raw: ClientBytes) -> Members:
         if name in members:
             # Only the gateway may point a decode pod at a KV source.
             raise BodyError(f"{name} is set by the gateway, not by clients")
-    # Strings skipped as Raw had their escapes and control characters checked, not their
-    # UTF-8: a body of plain ASCII (the usual one) needs no more.
-    ascii_only = raw.isascii()
-    for value in members.values():
-        if ascii_only and value_kind(value) == "string":
-            continue
-        _check_value(value, objects_as_arrays=wide)
+    if not wide and len(raw) < CHECKED_WHOLE_BELOW:
+        _check_whole(raw)
+    else:
+        # Strings skipped as Raw had their escapes and control characters checked, not their
+        # UTF-8: a body of plain ASCII (the usual one) needs no more.
+        ascii_only = raw.isascii()
+        for value in members.values():
+            if ascii_only and value_kind(value) == "string":
+                continue
+            _check_value(value, objects_as_arrays=wide)
     # After the values' bound: a carrier is decoded one level more.
     for path in NESTED_CARRIERS:
         _refuse_nested_fields(members, path, wide=wide)
@@ -175,6 +182,33 @@ def value_kind(value: msgspec.Raw) -> str:
     return {b"{": "object", b"[": "array", b'"': "string"}.get(first, "scalar")
 
 
+def _check_whole(raw: ClientBytes) -> None:
+    """The rules `_check_value` applies to each member, applied to a short body at once: one
+    decode and one encode in C instead of two per member, and no look at each member's
+    kind (its members are at level 2 of orjson's count, as `_check_value` puts each, and
+    none can reach MAX_VALUES). The decode also checks every string's UTF-8."""
+    try:
+        decoded = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise BodyError(f"invalid JSON body: {exc}") from None
+    except RecursionError:
+        raise BodyError("request body is nested too deeply") from None
+    _check_encodable(decoded, decoded)
+
+
+def _check_encodable(decoded: Any, wrapped: Any) -> None:
+    """BodyError unless orjson can encode `wrapped` (in C: it refuses integers beyond 64
+    bits and nesting beyond MAX_NESTING); `decoded` is searched for the integer to name."""
+    try:
+        orjson.dumps(wrapped)
+    except orjson.JSONEncodeError as exc:
+        if "Recursion" in str(exc):
+            raise BodyError("request body is nested too deeply") from None
+        raise BodyError(
+            f"integer {_first_wide_integer(decoded)}... does not fit in 64 bits"
+        ) from None
+
+
 def _check_value(value: msgspec.Raw, *, objects_as_arrays: bool) -> None:
     """Decode one member in full (msgspec, in C) and check what it holds (orjson's encoder,
     in C: it refuses integers beyond 64 bits and nesting beyond 254 levels, pdproc's own two
@@ -191,16 +225,9 @@ def _check_value(value: msgspec.Raw, *, objects_as_arrays: bool) -> None:
         raise BodyError("request body is nested too deeply") from None
     if not isinstance(decoded, (dict, list, int)):
         return
-    try:
-        # The member sits at level 2 (the body is level 1): one list around it puts it at
-        # level 2 of orjson's count too, whose limit is MAX_NESTING.
-        orjson.dumps([decoded])
-    except orjson.JSONEncodeError as exc:
-        if "Recursion" in str(exc):
-            raise BodyError("request body is nested too deeply") from None
-        raise BodyError(
-            f"integer {_first_wide_integer(decoded)}... does not fit in 64 bits"
-        ) from None
+    # The member sits at level 2 (the body is level 1): one list around it puts it at
+    # level 2 of orjson's count too, whose limit is MAX_NESTING.
+    _check_encodable(decoded, [decoded])
 
 
 def _objects_as_arrays(value: msgspec.Raw) -> msgspec.Raw | ClientBytes:
@@ -304,6 +331,8 @@ _VIEWED_FROM = 4096
 
 def dump_pieces(data: Mapping[str, Any]) -> Pieces:
     """`dumps(data)`, in pieces: the long Raw members are not copied."""
+    if not any(isinstance(v, msgspec.Raw) and len(v) >= _VIEWED_FROM for v in data.values()):
+        return Pieces((_encode(data),))  # nothing to leave uncopied: one encode, in C
     parts: list[Buffer] = []
     pending = bytearray(b"{")
     for key, value in data.items():

@@ -58,9 +58,8 @@ class Stream:
         self._write_lock = asyncio.Lock()
         # The decode's answer went on to the client (its response headers were answered).
         self._answered = False
-        # Writes that run beside the message loop (an abort, the override that asks Envoy to
-        # wait for a deferred answer): held so they are not collected before they have
-        # written, cancelled if the stream ends.
+        # Writes that run beside the message loop (a deferred answer, an abort): held so
+        # they are not collected before they have written, cancelled if the stream ends.
         self._background: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
@@ -203,25 +202,21 @@ class Stream:
 
     async def _deliver(self, answer: msg.Answer | Deferred) -> None:
         if isinstance(answer, Deferred):
-            answer = await self._when_ready(answer)
-        await self._write(answer)
+            self._in_background(self._write_later(answer))
+        else:
+            await self._write(answer)
 
-    def _in_background(self, write: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def _in_background(self, write: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(write)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        return task
 
-    async def _when_ready(self, deferred: Deferred) -> msg.Answer:
-        """A deferred answer, awaited here in the message loop: Envoy sends nothing more
-        until it is answered, and a client that leaves cancels the loop (gRPC cancels the
-        call). No task of its own: one per request was a measurable share of pdproc's CPU.
-        If the answer keeps Envoy waiting long, Envoy is asked to wait first."""
+    async def _write_later(self, deferred: Deferred) -> None:
+        """Write a deferred answer; if it keeps Envoy waiting long, ask Envoy to wait."""
         loop = asyncio.get_running_loop()
         held: list[asyncio.Task[None]] = []
         timer = loop.call_later(
-            deferred.hold_after,
-            lambda: held.append(self._in_background(self._write(deferred.hold()))),
+            deferred.hold_after, lambda: held.append(loop.create_task(self._write(deferred.hold())))
         )
         try:
             answer = await deferred.later
@@ -233,7 +228,7 @@ class Stream:
             timer.cancel()
         if held:
             await held[0]  # the override goes out before the answer it makes room for
-        return answer
+        await self._write(answer)
 
     async def _write(self, response: msg.Answer) -> None:
         async with self._write_lock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -19,6 +20,20 @@ from pdproc.targets import HostPort
 from .fakes import both_legs, value_of
 
 TARGET = HostPort("10.0.0.1", 8000)
+
+
+@pytest.fixture(autouse=True, scope="module", params=["member-by-member", "short-whole"])
+def checks(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test runs twice: with every body checked member by member (the path of long
+    and wide bodies), and with the shipped threshold (a short body checked whole): one set
+    of rules and messages."""
+    shipped = rb.CHECKED_WHOLE_BELOW
+    if request.param == "member-by-member":
+        rb.CHECKED_WHOLE_BELOW = 0
+    try:
+        yield request.param
+    finally:
+        rb.CHECKED_WHOLE_BELOW = shipped
 
 
 def mooncake_legs(raw: bytes, path: str = "/v1/completions") -> tuple[Any, Any]:

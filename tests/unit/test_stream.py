@@ -300,19 +300,11 @@ async def test_a_stream_ending_with_its_prefill_running_cancels_it(world: World)
 
 
 async def test_a_stream_ending_while_the_decode_is_held_cancels_it(world: World) -> None:
-    """The client leaves while its decode's answer is held: Envoy resets the gRPC stream,
-    and gRPC cancels the call (the message loop, waiting on the held answer)."""
     d = Driver(Requests(world))
     await d.ask(headers())
     await d.ask(body())
     d.call.send(response())
-    for _ in range(3):
-        await asyncio.sleep(0)  # the loop reads the response headers and holds them
-    d.task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await d.task
-    d.stream.close()
-    assert len(d.call.written) == 2  # the held answer is never written
+    await d.end()  # the held answer is never written
     assert world.counted.only is Outcome.CANCELLED
 
 
