@@ -99,13 +99,7 @@ def parse_body(raw: ClientBytes) -> Members:
     if not wide and len(raw) < CHECKED_WHOLE_BELOW:
         _check_whole(raw)
     else:
-        # Strings skipped as Raw had their escapes and control characters checked, not their
-        # UTF-8: a body of plain ASCII (the usual one) needs no more.
-        ascii_only = raw.isascii()
-        for value in members.values():
-            if ascii_only and value_kind(value) == "string":
-                continue
-            _check_value(value, objects_as_arrays=wide)
+        _check_members(raw, members, wide=wide)
     # After the values' bound: a carrier is decoded one level more.
     for path in NESTED_CARRIERS:
         _refuse_nested_fields(members, path, wide=wide)
@@ -180,6 +174,17 @@ def value_kind(value: msgspec.Raw) -> str:
     decode starts at its value)."""
     first = bytes(memoryview(value)[:1])
     return {b"{": "object", b"[": "array", b'"': "string"}.get(first, "scalar")
+
+
+def _check_members(raw: ClientBytes, members: Members, *, wide: bool) -> None:
+    """Each member's values checked (`_check_value`), but the plain ASCII strings: strings
+    skipped as Raw had their escapes and control characters checked, not their UTF-8, and
+    a body of plain ASCII (the usual one) needs no more."""
+    ascii_only = raw.isascii()
+    for value in members.values():
+        if ascii_only and value_kind(value) == "string":
+            continue
+        _check_value(value, objects_as_arrays=wide)
 
 
 def _check_whole(raw: ClientBytes) -> None:
