@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import orjson
 from pdproc_sim import devstack
 
+from bench.loadgen import make_body
+from bench.stack import FLOOR_SCRIPT
 from pdproc._proto.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from pdproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -75,11 +76,6 @@ def callgrind_total(text: str) -> int:
     if not counts:
         raise ValueError("no totals in callgrind output")
     return max(counts)
-
-
-def chat_body(prompt_bytes: int) -> bytes:
-    messages = [{"role": "user", "content": "x" * prompt_bytes}]
-    return orjson.dumps({"model": "sim-model", "messages": messages, "stream": True})
 
 
 def stream_messages(index: int, body: bytes, prefill: HostPort) -> tuple[pb.ProcessingRequest, ...]:
@@ -162,8 +158,7 @@ def processor(
         f"--callgrind-out-file={out}",
     ]
     if subject.binary == FLOOR:
-        bench_dir = Path(__file__).resolve().parent
-        argv = [sys.executable, str(bench_dir / "floor.py"), "--listen", str(listen)]
+        argv = [sys.executable, str(FLOOR_SCRIPT), "--listen", str(listen)]
         argv += ["--bootstrap-port", str(sim.bootstrap.port)]
     else:
         metrics = HostPort("127.0.0.1", devstack.free_port())
@@ -191,7 +186,9 @@ def processor(
 def _python_of(binary: str) -> list[str]:
     """The interpreter and script of a console-script executable: valgrind must run the
     interpreter itself (the script's #! line is not followed)."""
-    path = str(Path(shutil.which(binary) or binary).resolve())
+    # A bare name is looked up on PATH, then beside this interpreter (its virtualenv).
+    found = shutil.which(binary) or shutil.which(binary, path=str(Path(sys.executable).parent))
+    path = str(Path(found or binary).resolve())
     first = Path(path).read_bytes().split(b"\n", 1)[0]
     if first.startswith(b"#!"):
         return [first[2:].decode().strip(), path]
@@ -201,7 +198,7 @@ def _python_of(binary: str) -> list[str]:
 def measure(subject: Subject, sim: devstack.SimPair, args: argparse.Namespace) -> float:
     """Instructions per stream (millions)."""
     streams: int = args.streams
-    body = chat_body(args.prompt_bytes)
+    body = make_body(args.body_bytes, max_tokens=8)
     with tempfile.TemporaryDirectory(prefix="pdproc-instr-") as tmp:
         workdir = Path(tmp)
         with processor(subject, workdir, sim) as (target, pid, out):
@@ -221,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-floor", action="store_true", help="leave the floor out")
     parser.add_argument("--streams", type=int, default=300, help="measured streams (300)")
     parser.add_argument("--concurrency", type=int, default=16, help="streams at once (16)")
-    parser.add_argument("--prompt-bytes", type=int, default=900, help="prompt length (900)")
+    parser.add_argument("--body-bytes", type=int, default=1024, help="chat body size (1024)")
     parser.add_argument("--rounds", type=int, default=1, help="measurements per subject (1)")
     args = parser.parse_args(argv)
     for tool in ("valgrind", "callgrind_control"):
@@ -243,9 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             sim.process.stop()
     floor = results.get(FLOOR)
-    print(
-        f"\n{args.streams} streams at concurrency {args.concurrency}, {args.prompt_bytes} B prompt"
-    )
+    print(f"\n{args.streams} streams at concurrency {args.concurrency}, {args.body_bytes} B bodies")
     for name, values in results.items():
         best = statistics.median(values)
         ratio = (

@@ -64,7 +64,7 @@ def setup_logging(level: str = "info", fmt: str = "json") -> None:
     # Neither format shows where a call was made from nor the thread or process name:
     # the logging module's documented switches leave those look-ups out of every record
     # (a few microseconds of the per-request line, for every request).
-    setattr(logging, "_srcfile", None)  # noqa: B010 (private, and documented for this)
+    logging._srcfile = None  # private, and documented for this
     logging.logThreads = False
     logging.logMultiprocessing = False
     handler = logging.StreamHandler(sys.stderr)

@@ -14,6 +14,7 @@ combines the workers' values.
 from __future__ import annotations
 
 import contextlib
+from typing import Any, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -60,6 +61,18 @@ _LATENCY_BUCKETS = (
     60.0,
     120.0,
 )
+
+
+M = TypeVar("M", Counter, Gauge)
+
+
+def _series(cache: dict[Any, M], family: M, label: Any) -> M:
+    """`family`'s series of `label`, looked up once while it exists (labels() takes a lock
+    and checks every value on each call: this is for series written on every request)."""
+    series = cache.get(label)
+    if series is None:
+        series = cache[label] = family.labels(label)
+    return series
 
 
 class Metrics:
@@ -268,19 +281,11 @@ class Metrics:
         self._in_flight(label).dec()
 
     def _in_flight(self, label: str) -> Gauge:
-        """The in-flight series of `label`, looked up once while it exists (labels() takes
-        a lock and checks every value on each call)."""
-        series = self._flight_series.get(label)
-        if series is None:
-            series = self._flight_series[label] = self.prefills_in_flight.labels(label)
-        return series
+        return _series(self._flight_series, self.prefills_in_flight, label)
 
     def prefill_ended(self, outcome: PrefillResult) -> None:
-        """Count one finished prefill (its outcome's series looked up once)."""
-        series = self._prefill_series.get(outcome)
-        if series is None:
-            series = self._prefill_series[outcome] = self.prefills.labels(outcome)
-        series.inc()
+        """Count one finished prefill."""
+        _series(self._prefill_series, self.prefills, outcome).inc()
 
     def unproven_changed(self, host: str, is_open: bool) -> None:
         if is_open:

@@ -198,19 +198,19 @@ def _check_whole(raw: ClientBytes) -> None:
         raise BodyError(f"invalid JSON body: {exc}") from None
     except RecursionError:
         raise BodyError("request body is nested too deeply") from None
-    _check_encodable(decoded, decoded)
+    _check_encodable(decoded)
 
 
-def _check_encodable(decoded: Any, wrapped: Any) -> None:
-    """BodyError unless orjson can encode `wrapped` (in C: it refuses integers beyond 64
-    bits and nesting beyond MAX_NESTING); `decoded` is searched for the integer to name."""
+def _check_encodable(value: Any) -> None:
+    """BodyError unless orjson can encode `value` (in C: it refuses integers beyond 64 bits
+    and nesting beyond MAX_NESTING)."""
     try:
-        orjson.dumps(wrapped)
+        orjson.dumps(value)
     except orjson.JSONEncodeError as exc:
         if "Recursion" in str(exc):
             raise BodyError("request body is nested too deeply") from None
         raise BodyError(
-            f"integer {_first_wide_integer(decoded)}... does not fit in 64 bits"
+            f"integer {_first_wide_integer(value)}... does not fit in 64 bits"
         ) from None
 
 
@@ -232,7 +232,7 @@ def _check_value(value: msgspec.Raw, *, objects_as_arrays: bool) -> None:
         return
     # The member sits at level 2 (the body is level 1): one list around it puts it at
     # level 2 of orjson's count too, whose limit is MAX_NESTING.
-    _check_encodable(decoded, [decoded])
+    _check_encodable([decoded])
 
 
 def _objects_as_arrays(value: msgspec.Raw) -> msgspec.Raw | ClientBytes:

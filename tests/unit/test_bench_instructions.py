@@ -12,10 +12,10 @@ from bench.instructions import (
     FLOOR,
     Subject,
     callgrind_total,
-    chat_body,
     parse_subject,
     stream_messages,
 )
+from bench.loadgen import make_body
 from pdproc.extproc_messages import header_dict
 from pdproc.request_body import parse_body
 from pdproc.targets import PREFILL_HEADER, HostPort
@@ -38,8 +38,9 @@ def test_subjects_are_named_paths() -> None:
 
 
 def test_the_client_sends_what_envoy_sends_for_a_pd_request() -> None:
-    body = chat_body(900)
-    assert orjson.loads(body)["messages"][0]["content"] == "x" * 900
+    body = make_body(1024, max_tokens=8)  # what the harness sends (bench.loadgen's body)
+    assert len(body) == 1024
+    assert orjson.loads(body)["stream"] is True
     assert "messages" in parse_body(body)  # a body pdproc takes
     pod = HostPort("127.0.0.1", 8100)
     headers, sent, response = stream_messages(7, body, pod)
