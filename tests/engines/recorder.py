@@ -116,10 +116,19 @@ async def _relay(recorder: Recorder, request: web.Request) -> web.StreamResponse
                 answer.headers[name] = value
         await answer.prepare(request)
         body = bytearray()
+        client_left = False
         async for chunk in upstream.content.iter_any():
             body += chunk
-            await answer.write(chunk)
-        await answer.write_eof()
+            if not client_left:
+                try:
+                    await answer.write(chunk)
+                except ConnectionError:
+                    # The client hung up (pdproc cancelled its prefill): the engine's answer
+                    # is still read to its end and recorded, since the engine did that work
+                    # and counted it.
+                    client_left = True
+        if not client_left:
+            await answer.write_eof()
     recorder.exchanges.append(
         Exchange(
             request.path,

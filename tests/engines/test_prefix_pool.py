@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from pdproc.outcomes import PrefillResult
 from tests.engines.front import KV_SOURCE, Front, openai_body, running_front, send
 from tests.engines.harness import Engine, engine, measured
 from tests.engines.recorder import Recorder, recording_proxy
@@ -53,6 +54,14 @@ CONVERSATIONS = 5
 TURNS = 5
 SYSTEMS = 2  # conversations share system prompts, as chat applications' do
 AGREEMENT = 0.9  # the share of requests whose prediction must match within a block
+# Prefills a run may lose to the host rather than to pdproc or the engines: on this shared
+# 2-core machine, beside three CPU engines, a process once stood still for seconds, Envoy's
+# message timeout passed before pdproc's hold went out, Envoy served that request with the
+# decode alone (as configured) and pdproc cancelled the prefill. Only those outcomes, and
+# only this many, are let pass; their requests still count for the engines' hit rates.
+HOST_STALLS = (PrefillResult.CANCELLED.value, PrefillResult.TIMEOUT.value)
+OK = PrefillResult.OK.value
+STALLED_AT_MOST = 2
 
 
 @dataclass
@@ -64,6 +73,11 @@ class Prefilled:
     prompt_bytes: int | None
     cached_tokens: int
     prompt_tokens: int
+    outcome: str = OK  # the log line's prefill_outcome
+
+    @property
+    def answered(self) -> bool:
+        return self.outcome == OK
 
     @property
     def predicted(self) -> float | None:
@@ -79,7 +93,7 @@ class Prefilled:
     def agrees(self) -> bool:
         """Within one block of pdproc's and one of the engine's: pdproc counts whole
         256-byte blocks of the client's JSON, the engine whole 32-token blocks."""
-        if self.predicted is None or self.prompt_bytes is None:
+        if not self.answered or self.predicted is None or self.prompt_bytes is None:
             return False
         bound = PDPROC_BLOCK_BYTES / self.prompt_bytes + ENGINE_BLOCK_TOKENS / self.prompt_tokens
         return abs(self.predicted - self.found) <= bound
@@ -154,11 +168,12 @@ def conversations(front: Front, tag: str) -> None:
 
 
 def prefill_lines(front: Front) -> list[dict[str, Any]]:
-    """Every "pd request prefilled" log line of the front's pdproc (all its workers)."""
+    """Every prefill's log line ("pd request prefilled" or "pd request prefill failed: ...")
+    of the front's pdproc (all its workers)."""
     lines = []
     for process, _ in front.replicas:
         for line in process.log_path.read_text().splitlines():
-            if line.startswith("{") and '"pd request prefilled"' in line:
+            if line.startswith("{") and '"msg":"pd request prefill' in line:
                 lines.append(json.loads(line))
     return lines
 
@@ -189,24 +204,43 @@ def run_policy(
 
         def every_line() -> list[dict[str, Any]] | None:
             found = prefill_lines(front)
-            return found if len(found) == total else None
+            return found if len(found) >= total else None
 
         lines = eventually(every_line, timeout_s=30, what="a log line per prefill")
+    assert len(lines) == total, lines
+    failed = [line for line in lines if line["prefill_outcome"] != OK]
+    assert all(line["prefill_outcome"] in HOST_STALLS for line in failed), failed
+    assert len(failed) <= STALLED_AT_MOST, failed
     records = matched_records(lines, recorders, pool)
     hits = sum(one.metric(KV_SOURCE, source="local_cache_hit") for one in prefills)
     computed = sum(one.metric(KV_SOURCE, source="local_compute") for one in prefills)
     hits -= sum(hits_before)
     computed -= sum(computed_before)
-    # The engines' own counters say what their answers said.
-    assert hits == sum(record.cached_tokens for record in records), (hits, records)
+    # The engines' own counters say what their answers said (every answer: the recorders
+    # keep one that pdproc no longer waited for).
+    answered = sum(cached for _, cached in recorded_usage(recorders).values())
+    assert hits == answered, (hits, records)
     return records, hits / (hits + computed)
+
+
+def recorded_usage(recorders: list[Recorder]) -> dict[str, tuple[int, int]]:
+    """Each prefill's pod and the cached tokens its answer reported, by pdproc's request id
+    (the prefill request carries it as its own)."""
+    usage = {}
+    for pod, recorder in enumerate(recorders):
+        for exchange in recorder.exchanges:
+            if exchange.path.endswith("/chat/completions"):
+                details = exchange.response_json()["usage"]["prompt_tokens_details"]
+                usage[exchange.request_id] = (pod, details["cached_tokens"])
+    return usage
 
 
 def matched_records(
     lines: list[dict[str, Any]], recorders: list[Recorder], pool: list[str]
 ) -> list[Prefilled]:
-    """Each log line with the answer its pod gave to that prefill (the prefill request
-    carries pdproc's request id as its own)."""
+    """Each log line, in the order the requests were sent, with the answer its pod gave to
+    that prefill (the prefill request carries pdproc's request id as its own). A prefill
+    that failed is kept (where it was sent counts) with no engine figures."""
     answers: dict[str, tuple[int, dict[str, Any]]] = {}
     for pod, recorder in enumerate(recorders):
         for exchange in recorder.exchanges:
@@ -215,15 +249,22 @@ def matched_records(
                 answers[exchange.request_id] = (pod, reply["usage"])
     records = []
     for line in sorted(lines, key=lambda line: line["ts"]):
-        pod, usage = answers[line["request_id"]]
-        assert line["prefill_target"] == pool[pod]
+        pod = pool.index(line["prefill_target"])
+        outcome = line["prefill_outcome"]
+        cached = prompt = 0
+        if outcome == OK:
+            answer_pod, usage = answers[line["request_id"]]
+            assert answer_pod == pod, (line, answer_pod)
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            prompt = usage["prompt_tokens"]
         records.append(
             Prefilled(
                 pod,
                 line.get("prefix_matched_bytes"),
                 line.get("prefix_prompt_bytes"),
-                usage["prompt_tokens_details"]["cached_tokens"],
-                usage["prompt_tokens"],
+                cached,
+                prompt,
+                outcome,
             )
         )
     return records
@@ -237,17 +278,20 @@ def test_predicted_hits_match_the_engines_and_beat_least_loaded(
         "least-loaded", engines, recorders, workdir, ("--pool-policy", "least-loaded")
     )
     prefix, prefix_rate = run_policy("prefix", engines, recorders, workdir)
-    agreeing = [record.agrees for record in prefix]
-    gaps = [abs(r.predicted - r.found) for r in prefix if r.predicted is not None]
+    answered = [record for record in prefix if record.answered]
+    agreeing = [record.agrees for record in answered]
+    gaps = [abs(r.predicted - r.found) for r in answered if r.predicted is not None]
+    lost = sum(not r.answered for r in [*least, *prefix])
     measured(
         f"prefix pool on two NIXL prefills: the engines' hit rate {prefix_rate:.3f} "
         f"(least-loaded {least_rate:.3f}); pdproc's prediction within a block of the "
         f"engine's count for {sum(agreeing)} of {len(agreeing)} prefills (|predicted - "
-        f"found| mean {sum(gaps) / max(1, len(gaps)):.3f}, max {max(gaps, default=0):.3f})"
+        f"found| mean {sum(gaps) / max(1, len(gaps)):.3f}, max {max(gaps, default=0):.3f}); "
+        f"prefills lost to a stalled host: {lost}"
     )
     assert sum(agreeing) >= AGREEMENT * len(agreeing), [
         (n, r.matched_bytes, r.prompt_bytes, r.cached_tokens, r.prompt_tokens, r.pod)
-        for n, r in enumerate(prefix)
+        for n, r in enumerate(answered)
         if not r.agrees
     ]
     # Each conversation stayed on one pod. (Not that both pods served: one request at a
