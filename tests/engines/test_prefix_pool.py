@@ -126,15 +126,20 @@ def first_handshake(prefill: Engine, decode: Engine, workdir: Path) -> None:
     """One P/D request per prefill before anything is measured. The decode's first NIXL
     handshake with a just-started prefill engine waits 5 s for its answer, and on this
     shared 2-core machine the prefill's listener thread once answered later than that (the
-    decode failed that request with a 500, and its next handshake passed): that is the
-    engines' start-up, not what the policies are compared on. Tried a few times; measured
-    requests must all succeed."""
+    decode failed that request with a 500, and its next handshake passed); once the decode's
+    first KV fetch never ended (the request waited past the client's timeout, and the next
+    one passed). That is the engines' start-up, not what the policies are compared on. Tried
+    a few times; measured requests must all succeed."""
     path = "/v1/chat/completions"
     with running_front(f"warm-{prefill.name}", workdir, prefill, decode, workers="1") as front:
-        statuses = []
+        statuses: list[int | str] = []
         for attempt in range(3):
             body = openai_body(path, f"warm-up {attempt}", stream=False, max_tokens=2)
-            answer = send(front.url, path, body)
+            try:
+                answer = send(front.url, path, body, timeout_s=60)
+            except TimeoutError:
+                statuses.append("no answer in 60 s")
+                continue
             statuses.append(answer.status)
             if answer.status == 200:
                 return
