@@ -604,7 +604,7 @@ class Declared:
             return str(value.value)
         if isinstance(value, frozenset):
             value = sorted(value, key=DEFAULT_PD_PATHS.index) if value else None
-        if isinstance(value, (tuple, list)):
+        if isinstance(value, (tuple, list)) and not isinstance(value, HostPort):
             return ", ".join(map(str, value)) or None
         if value is None or isinstance(value, AllowList):
             return None

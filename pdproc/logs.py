@@ -6,6 +6,7 @@ passed there (no authorization header, no prompt text).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import sys
@@ -15,6 +16,18 @@ import orjson
 
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
 _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
+# LogRecord.__init__ sets its attributes first and makeRecord adds `extra=` after them, so a
+# record's own attributes are the first this many of its __dict__: the search for extras
+# starts past them (one line per request is logged, and they are most of its keys).
+_OWN = len(logging.LogRecord("", 0, "", 0, "", (), None).__dict__)
+
+
+def extras(record: logging.LogRecord) -> dict[str, Any]:
+    """The record's `extra=` fields (and any attribute a filter or factory added), in order."""
+    found = dict(itertools.islice(record.__dict__.items(), _OWN, None))
+    for key in found.keys() & _STANDARD:  # set by a formatter that ran before this one
+        del found[key]
+    return found
 
 
 class JsonFormatter(logging.Formatter):
@@ -26,9 +39,7 @@ class JsonFormatter(logging.Formatter):
             "pid": record.process,
             "msg": record.getMessage(),
         }
-        for key, value in record.__dict__.items():
-            if key not in _STANDARD:
-                entry[key] = value
+        entry.update(extras(record))
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(entry, default=str).decode()
@@ -52,12 +63,8 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        extras = " ".join(
-            f"{key}={text_value(value)}"
-            for key, value in record.__dict__.items()
-            if key not in _STANDARD
-        )
-        return f"{line} {extras}" if extras else line
+        fields = " ".join(f"{key}={text_value(value)}" for key, value in extras(record).items())
+        return f"{line} {fields}" if fields else line
 
 
 def setup_logging(level: str = "info", fmt: str = "json") -> None:

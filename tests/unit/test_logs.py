@@ -62,3 +62,50 @@ def test_text_lines_append_the_extra_fields_escaped() -> None:
     line = TextFormatter().format(record("pd request", request_id="a b\nstatus=200"))
     assert "\n" not in line
     assert line.endswith('pd request request_id="a b\\nstatus=200"')
+
+
+def test_json_lines_carry_what_a_logger_call_and_a_record_factory_added() -> None:
+    """Through the logging module itself: the call's `extra=` fields in their order, what a
+    record factory added (OpenTelemetry's adds trace ids), and none of a record's own
+    attributes."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    default_factory = logging.getLogRecordFactory()
+
+    def with_trace(*args: object, **kwargs: object) -> logging.LogRecord:
+        made = default_factory(*args, **kwargs)
+        made.trace_id = "t-1"  # type: ignore[attr-defined]
+        return made
+
+    logger = logging.getLogger("pdproc.test.extras")
+    # A plain formatter first: it sets `message` and `asctime` on the record.
+    plain = Keep()
+    plain.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    handler = Keep()
+    handler.setFormatter(JsonFormatter())
+    logger.addHandler(plain)
+    logger.addHandler(handler)
+    logger.propagate = False
+    logging.setLogRecordFactory(with_trace)
+    try:
+        logger.warning("pd request %s", "failed", extra={"request_id": "r-2", "prefill_ms": 1.5})
+    finally:
+        logging.setLogRecordFactory(default_factory)
+        logger.removeHandler(plain)
+        logger.removeHandler(handler)
+    entry = orjson.loads(lines[1])
+    assert list(entry) == [
+        "ts",
+        "level",
+        "logger",
+        "pid",
+        "msg",
+        "trace_id",
+        "request_id",
+        "prefill_ms",
+    ]
+    assert entry["msg"] == "pd request failed"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import uuid
 from typing import Any
 
 import orjson
@@ -249,6 +250,11 @@ def test_transfer_ids_are_unique_and_prefixed() -> None:
     ids = {mooncake.new_transfer_id() for _ in range(100)}
     assert len(ids) == 100
     assert all(i.startswith("xfer-") and len(i) == 41 for i in ids)
+    # Random version-4 UUIDs, written as uuid.UUID writes them.
+    for text in ids:
+        parsed = uuid.UUID(text[len("xfer-") :])
+        assert (parsed.version, parsed.variant) == (4, uuid.RFC_4122)
+        assert str(parsed) == text[len("xfer-") :]
 
 
 @pytest.mark.parametrize(
