@@ -213,9 +213,7 @@ def run_policy(
 
         lines = eventually(every_line, timeout_s=30, what="a log line per prefill")
     assert len(lines) == total, lines
-    failed = [line for line in lines if line["prefill_outcome"] != OK]
-    assert all(line["prefill_outcome"] in HOST_STALLS for line in failed), failed
-    assert len(failed) <= STALLED_AT_MOST, failed
+    check_failures(lines)
     records = matched_records(lines, recorders, pool)
     hits = sum(one.metric(KV_SOURCE, source="local_cache_hit") for one in prefills)
     computed = sum(one.metric(KV_SOURCE, source="local_compute") for one in prefills)
@@ -226,6 +224,13 @@ def run_policy(
     answered = sum(cached for _, cached in recorded_usage(recorders).values())
     assert hits == answered, (hits, records)
     return records, hits / (hits + computed)
+
+
+def check_failures(lines: list[dict[str, Any]]) -> None:
+    """Every prefill succeeded, but for at most STALLED_AT_MOST lost to a stalled host."""
+    failed = [line for line in lines if line["prefill_outcome"] != OK]
+    assert all(line["prefill_outcome"] in HOST_STALLS for line in failed), failed
+    assert len(failed) <= STALLED_AT_MOST, failed
 
 
 def recorded_usage(recorders: list[Recorder]) -> dict[str, tuple[int, int]]:
@@ -275,6 +280,23 @@ def matched_records(
     return records
 
 
+def report(
+    least: list[Prefilled], least_rate: float, prefix: list[Prefilled], prefix_rate: float
+) -> None:
+    """The run's figures, in the suite's summary of what it measured."""
+    answered = [record for record in prefix if record.answered]
+    agreeing = sum(record.agrees for record in answered)
+    gaps = [abs(r.predicted - r.found) for r in answered if r.predicted is not None]
+    lost = sum(not r.answered for r in [*least, *prefix])
+    measured(
+        f"prefix pool on two NIXL prefills: the engines' hit rate {prefix_rate:.3f} "
+        f"(least-loaded {least_rate:.3f}); pdproc's prediction within a block of the "
+        f"engine's count for {agreeing} of {len(answered)} prefills (|predicted - "
+        f"found| mean {sum(gaps) / max(1, len(gaps)):.3f}, max {max(gaps, default=0):.3f}); "
+        f"prefills lost to a stalled host: {lost}"
+    )
+
+
 def test_predicted_hits_match_the_engines_and_beat_least_loaded(
     engines: tuple[list[Engine], Engine], recorders: list[Recorder], engines_workdir: Path
 ) -> None:
@@ -285,15 +307,7 @@ def test_predicted_hits_match_the_engines_and_beat_least_loaded(
     prefix, prefix_rate = run_policy("prefix", engines, recorders, workdir)
     answered = [record for record in prefix if record.answered]
     agreeing = [record.agrees for record in answered]
-    gaps = [abs(r.predicted - r.found) for r in answered if r.predicted is not None]
-    lost = sum(not r.answered for r in [*least, *prefix])
-    measured(
-        f"prefix pool on two NIXL prefills: the engines' hit rate {prefix_rate:.3f} "
-        f"(least-loaded {least_rate:.3f}); pdproc's prediction within a block of the "
-        f"engine's count for {sum(agreeing)} of {len(agreeing)} prefills (|predicted - "
-        f"found| mean {sum(gaps) / max(1, len(gaps)):.3f}, max {max(gaps, default=0):.3f}); "
-        f"prefills lost to a stalled host: {lost}"
-    )
+    report(least, least_rate, prefix, prefix_rate)
     assert sum(agreeing) >= AGREEMENT * len(agreeing), [
         (n, r.matched_bytes, r.prompt_bytes, r.cached_tokens, r.prompt_tokens, r.pod)
         for n, r in enumerate(answered)
