@@ -250,8 +250,13 @@ def _header(key: str, value: bytes) -> HeaderValueOption:
 
 def header_dict(headers: pb.HttpHeaders) -> dict[str, str]:
     """Envoy's header list as a dict; repeated names are joined with a comma (RFC 9110)."""
-    out: dict[str, str] = {}
-    for h in headers.headers.headers:
+    listed = headers.headers.headers
+    # Names rarely repeat: one comprehension, and the joining loop only when one does.
+    out = {h.key: h.raw_value.decode("latin-1") if h.raw_value else h.value for h in listed}
+    if len(out) == len(listed):
+        return out
+    out = {}
+    for h in listed:
         value = h.raw_value.decode("latin-1") if h.raw_value else h.value
         out[h.key] = f"{out[h.key]},{value}" if h.key in out else value
     return out
