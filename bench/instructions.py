@@ -25,13 +25,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,10 +103,15 @@ def stream_messages(index: int, body: bytes, prefill: HostPort) -> tuple[pb.Proc
 
 
 async def drive(
-    target: str, prefill: HostPort, body: bytes, streams: int, concurrency: int, pid: int
+    target: str,
+    prefill: HostPort,
+    body: bytes,
+    streams: int,
+    concurrency: int,
+    switch: Callable[[str], None],
 ) -> None:
-    """Warm up, switch instrumentation on, run `streams` streams, let their prefills end,
-    switch it off."""
+    """Warm up, `switch("on")`, run `streams` streams, let their prefills end,
+    `switch("off")` (callgrind's instrumentation, or bench.opcodes' counter)."""
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.ExternalProcessorStub(channel)
 
@@ -126,12 +132,12 @@ async def drive(
         for index in range(WARMUP_STREAMS):
             await one(index)
         await asyncio.sleep(1.0)  # the warm-up's prefills end outside the window
-        _callgrind_control("on", pid)
+        switch("on")
         try:
             await asyncio.gather(*(gated(WARMUP_STREAMS + i) for i in range(streams)))
             await asyncio.sleep(1.0)  # the measured streams' prefills end inside it
         finally:
-            _callgrind_control("off", pid)
+            switch("off")
 
 
 def _callgrind_control(state: str, pid: int) -> None:
@@ -142,6 +148,39 @@ def _callgrind_control(state: str, pid: int) -> None:
     )
     if done.returncode != 0 or "Error" in done.stdout + done.stderr:
         raise RuntimeError(f"callgrind_control --instr={state} {pid}: {done.stdout}{done.stderr}")
+
+
+def processor_argv(subject: Subject, sim: devstack.SimPair, listen: HostPort) -> list[str]:
+    """The subject's command line: an interpreter, a script, its arguments (valgrind and
+    bench.opcodes' tracer both go between the interpreter and the script's arguments)."""
+    if subject.binary == FLOOR:
+        argv = [sys.executable, str(FLOOR_SCRIPT), "--listen", str(listen)]
+        return [*argv, "--bootstrap-port", str(sim.bootstrap.port)]
+    metrics = HostPort("127.0.0.1", devstack.free_port())
+    argv = [*_python_of(subject.binary), "serve", "--listen", str(listen)]
+    argv += ["--metrics-listen", str(metrics), "--workers", "1"]
+    argv += ["--prefill-allow", "127.0.0.1/32"]
+    argv += ["--mooncake-bootstrap-port", str(sim.bootstrap.port)]
+    # Measured, a prefill takes ~50x longer: no timeout or connection bound may end one
+    # inside the window.
+    return [*argv, "--prefill-timeout", "600", "--max-named-host-connections", "1024"]
+
+
+@contextlib.contextmanager
+def running(name: str, argv: list[str], listen: HostPort, workdir: Path) -> Iterator[int]:
+    """`argv` started, its gRPC port open; yields its pid, stops it on exit."""
+    proc = devstack.spawn(name, argv, workdir)
+    try:
+        devstack.wait_for(
+            lambda: devstack.port_open(listen.host, listen.port),
+            name,
+            timeout_s=300.0,
+            proc=proc,
+        )
+        time.sleep(1.0)  # a listening port comes before the health checker is set
+        yield proc.popen.pid
+    finally:
+        proc.stop(timeout_s=60.0)
 
 
 @contextlib.contextmanager
@@ -157,30 +196,9 @@ def processor(
         "--instr-atstart=no",
         f"--callgrind-out-file={out}",
     ]
-    if subject.binary == FLOOR:
-        argv = [sys.executable, str(FLOOR_SCRIPT), "--listen", str(listen)]
-        argv += ["--bootstrap-port", str(sim.bootstrap.port)]
-    else:
-        metrics = HostPort("127.0.0.1", devstack.free_port())
-        argv = [*_python_of(subject.binary), "serve", "--listen", str(listen)]
-        argv += ["--metrics-listen", str(metrics), "--workers", "1"]
-        argv += ["--prefill-allow", "127.0.0.1/32"]
-        argv += ["--mooncake-bootstrap-port", str(sim.bootstrap.port)]
-        # Under valgrind a prefill takes ~50x longer: no timeout or connection bound may
-        # end one inside the window.
-        argv += ["--prefill-timeout", "600", "--max-named-host-connections", "1024"]
-    proc = devstack.spawn(subject.name, [*valgrind, *argv], workdir)
-    try:
-        devstack.wait_for(
-            lambda: devstack.port_open(listen.host, listen.port),
-            subject.name,
-            timeout_s=300.0,
-            proc=proc,
-        )
-        time.sleep(1.0)  # a listening port comes before the health checker is set
-        yield str(listen), proc.popen.pid, out
-    finally:
-        proc.stop(timeout_s=60.0)
+    argv = processor_argv(subject, sim, listen)
+    with running(subject.name, [*valgrind, *argv], listen, workdir) as pid:
+        yield str(listen), pid, out
 
 
 def _python_of(binary: str) -> list[str]:
@@ -202,7 +220,8 @@ def measure(subject: Subject, sim: devstack.SimPair, args: argparse.Namespace) -
     with tempfile.TemporaryDirectory(prefix="pdproc-instr-") as tmp:
         workdir = Path(tmp)
         with processor(subject, workdir, sim) as (target, pid, out):
-            asyncio.run(drive(target, sim.prefill, body, streams, args.concurrency, pid))
+            switch = functools.partial(_callgrind_control, pid=pid)
+            asyncio.run(drive(target, sim.prefill, body, streams, args.concurrency, switch))
         total = sum(callgrind_total(path.read_text()) for path in workdir.glob(out.name + "*"))
     return total / streams / 1e6
 
