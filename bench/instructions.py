@@ -226,6 +226,13 @@ def measure(subject: Subject, sim: devstack.SimPair, args: argparse.Namespace) -
     return total / streams / 1e6
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is measured: --streams, --concurrency, --body-bytes (bench.opcodes too)."""
+    parser.add_argument("--streams", type=int, default=300, help="measured streams (300)")
+    parser.add_argument("--concurrency", type=int, default=16, help="streams at once (16)")
+    parser.add_argument("--body-bytes", type=int, default=1024, help="chat body size (1024)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__)
     parser.add_argument(
@@ -235,9 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="NAME=PATH of a pdproc executable (repeatable; default: pdproc on PATH)",
     )
     parser.add_argument("--no-floor", action="store_true", help="leave the floor out")
-    parser.add_argument("--streams", type=int, default=300, help="measured streams (300)")
-    parser.add_argument("--concurrency", type=int, default=16, help="streams at once (16)")
-    parser.add_argument("--body-bytes", type=int, default=1024, help="chat body size (1024)")
+    add_workload_arguments(parser)
     parser.add_argument("--rounds", type=int, default=1, help="measurements per subject (1)")
     args = parser.parse_args(argv)
     for tool in ("valgrind", "callgrind_control"):

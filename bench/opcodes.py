@@ -31,7 +31,14 @@ from pathlib import Path
 
 from pdproc_sim import devstack
 
-from bench.instructions import FLOOR, Subject, drive, processor_argv, running
+from bench.instructions import (
+    FLOOR,
+    Subject,
+    add_workload_arguments,
+    drive,
+    processor_argv,
+    running,
+)
 from bench.loadgen import make_body
 from pdproc.targets import HostPort
 
@@ -140,9 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.opcodes", description=__doc__)
     parser.add_argument("--pdproc", default="pdproc", help="a pdproc executable (PATH's)")
     parser.add_argument("--floor", action="store_true", help="count bench/floor.py instead")
-    parser.add_argument("--streams", type=int, default=300, help="measured streams (300)")
-    parser.add_argument("--concurrency", type=int, default=16, help="streams at once (16)")
-    parser.add_argument("--body-bytes", type=int, default=1024, help="chat body size (1024)")
+    add_workload_arguments(parser)
     parser.add_argument("--top", type=int, default=40, help="rows per table (40)")
     args = parser.parse_args(argv)
     subject = Subject(FLOOR, FLOOR) if args.floor else Subject("pdproc", args.pdproc)
