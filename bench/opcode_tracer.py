@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import runpy
 import signal
 import sys
@@ -52,8 +53,10 @@ def _stop(out: str) -> None:
     sys.settrace(None)
     counts, calls = dict(_counts), dict(_calls)
     rows = [[*key, n, calls.get(key, 0)] for key, n in counts.items()]
-    with open(out, "w") as f:
+    # Written beside, then renamed: whoever waits for OUT never reads it half written.
+    with open(out + ".part", "w") as f:
         json.dump(rows, f)
+    os.replace(out + ".part", out)
 
 
 def main() -> None:

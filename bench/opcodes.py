@@ -24,7 +24,6 @@ import os
 import signal
 import sys
 import tempfile
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,9 +63,7 @@ class Counted:
     def package(self) -> str:
         """What the time is charged to: a pdproc module, else the top-level package."""
         where = self.where
-        if where.startswith("pdproc/"):
-            return where
-        return where.split("/", 1)[0] if "/" in where else where
+        return where if where.startswith("pdproc/") else where.split("/", 1)[0]
 
 
 def package_path(file: str) -> str:
@@ -134,10 +131,8 @@ def count(subject: Subject, args: argparse.Namespace) -> list[Counted]:
                 asyncio.run(
                     drive(str(listen), sim.prefill, body, args.streams, args.concurrency, switch)
                 )
-                deadline = time.monotonic() + 60
-                while not out.exists() and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                time.sleep(0.5)  # written in one call; let it finish
+                # The tracer renames its file into place once written.
+                devstack.wait_for(out.exists, "the bytecode counts", timeout_s=60.0)
             return parse_counts(json.loads(out.read_text()))
         finally:
             sim.process.stop()
