@@ -181,6 +181,29 @@ def send(
     return Answer(status, parsed, answer_text(parsed), seconds, answer_headers)
 
 
+def warm_up(front: Front, what: str) -> None:
+    """One P/D request through `front` before anything is measured. The decode's first NIXL
+    handshake with a just-started prefill engine waits a fixed 5 s for its answer, and on
+    this shared 2-core machine the prefill's listener thread has answered later than that
+    (the decode failed that request with a 500, and its next handshake passed); once the
+    decode's first KV fetch never ended (the request waited past the client's timeout, and
+    the next one passed). That is the engines' start-up, not what the tests check. Tried a
+    few times; measured requests must all succeed."""
+    path = "/v1/chat/completions"
+    statuses: list[int | str] = []
+    for attempt in range(3):
+        body = openai_body(path, f"warm-up {attempt}", stream=False, max_tokens=2)
+        try:
+            answer = send(front.url, path, body, timeout_s=60)
+        except TimeoutError:
+            statuses.append("no answer in 60 s")
+            continue
+        statuses.append(answer.status)
+        if answer.status == 200:
+            return
+    raise AssertionError(f"{what}: no P/D request succeeded: {statuses}")
+
+
 def prompt_tokens(answer: Answer) -> int:
     """The prompt's token count from a non-streamed answer's usage."""
     usage = answer.body["usage"]

@@ -98,6 +98,15 @@ def recording_proxy(upstream: str) -> Iterator[Recorder]:
         loop.close()
 
 
+async def _sent(writing: Awaitable[object]) -> bool:
+    """Whether this write reached the client (False once it hung up)."""
+    try:
+        await writing
+    except ConnectionError:
+        return False
+    return True
+
+
 async def _relay(recorder: Recorder, request: web.Request) -> web.StreamResponse:
     """Pass one request on unchanged, stream the answer back, and record both."""
     raw = await request.read()
@@ -114,19 +123,13 @@ async def _relay(recorder: Recorder, request: web.Request) -> web.StreamResponse
         for name, value in upstream.headers.items():
             if name.lower() not in HOP_BY_HOP:
                 answer.headers[name] = value
-        await answer.prepare(request)
         body = bytearray()
-        client_left = False
+        client_left = not await _sent(answer.prepare(request))
         async for chunk in upstream.content.iter_any():
             body += chunk
-            if not client_left:
-                try:
-                    await answer.write(chunk)
-                except ConnectionError:
-                    # The client hung up (pdproc cancelled its prefill): the engine's answer
-                    # is still read to its end and recorded, since the engine did that work
-                    # and counted it.
-                    client_left = True
+            # Once the client hung up (pdproc cancelled its prefill), the engine's answer is
+            # still read to its end and recorded: the engine did that work and counted it.
+            client_left = client_left or not await _sent(answer.write(chunk))
         if not client_left:
             await answer.write_eof()
     recorder.exchanges.append(

@@ -25,6 +25,7 @@ from tests.engines.front import (
     prompt_tokens,
     running_front,
     send,
+    warm_up,
 )
 from tests.engines.harness import Engine, http_json, measured, running_pair
 
@@ -50,6 +51,8 @@ def fronts(pair: tuple[Engine, Engine], engines_workdir: Path) -> Iterator[dict[
         running_front("default-workers", workdir, prefill, decode) as single,
         running_front("two-replicas", workdir, prefill, decode, replicas=2, workers="2") as double,
     ):
+        # The decode's handshake with the prefill is made once, whichever front asks.
+        warm_up(single, "nixl")
         yield {"default-workers": single, "two-replicas": double}
 
 

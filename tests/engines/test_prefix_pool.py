@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from pdproc.outcomes import PrefillResult
-from tests.engines.front import KV_SOURCE, Front, openai_body, running_front, send
+from tests.engines.front import KV_SOURCE, Front, openai_body, running_front, send, warm_up
 from tests.engines.harness import Engine, engine, measured
 from tests.engines.recorder import Recorder, recording_proxy
 from tests.waiting import eventually
@@ -123,27 +123,9 @@ def engines(model: Path, engines_workdir: Path) -> Iterator[tuple[list[Engine], 
 
 
 def first_handshake(prefill: Engine, decode: Engine, workdir: Path) -> None:
-    """One P/D request per prefill before anything is measured. The decode's first NIXL
-    handshake with a just-started prefill engine waits 5 s for its answer, and on this
-    shared 2-core machine the prefill's listener thread once answered later than that (the
-    decode failed that request with a 500, and its next handshake passed); once the decode's
-    first KV fetch never ended (the request waited past the client's timeout, and the next
-    one passed). That is the engines' start-up, not what the policies are compared on. Tried
-    a few times; measured requests must all succeed."""
-    path = "/v1/chat/completions"
+    """One P/D request per prefill before anything is measured (see `warm_up`)."""
     with running_front(f"warm-{prefill.name}", workdir, prefill, decode, workers="1") as front:
-        statuses: list[int | str] = []
-        for attempt in range(3):
-            body = openai_body(path, f"warm-up {attempt}", stream=False, max_tokens=2)
-            try:
-                answer = send(front.url, path, body, timeout_s=60)
-            except TimeoutError:
-                statuses.append("no answer in 60 s")
-                continue
-            statuses.append(answer.status)
-            if answer.status == 200:
-                return
-    raise AssertionError(f"{prefill.name}: no P/D request succeeded: {statuses}")
+        warm_up(front, prefill.name)
 
 
 @pytest.fixture(scope="module")
