@@ -84,7 +84,7 @@ def parse_body(raw: ClientBytes) -> Members:
     short = len(raw) < CHECKED_WHOLE_BELOW
     wide = raw.count(b":") > MAX_MEMBERS if short else _holds_more(raw, b":", MAX_MEMBERS)
     if wide:
-        _refuse_wide_object(raw)
+        _refuse_wide_object(raw, counted=True)
     try:
         members = _MEMBERS.decode(raw)
     except msgspec.ValidationError:
@@ -113,11 +113,14 @@ _OBJECT_START = re.compile(rb"[ \t\r\n]*\{")
 _OBJECTS_AS_ARRAYS = bytes.maketrans(b"{}:", b"[],")
 
 
-def _refuse_wide_object(raw: ClientBytes | msgspec.Raw, name: str = "") -> None:
+def _refuse_wide_object(
+    raw: ClientBytes | msgspec.Raw, name: str = "", *, counted: bool = False
+) -> None:
     """BodyError if the body (or its member `name`) is an object of more than MAX_MEMBERS
     members (duplicate keys counted), found in C at the cost of one copy of its bytes and
-    of the members up to the bound, never of a Python object per member."""
-    if _count(raw, b":") <= MAX_MEMBERS:
+    of the members up to the bound, never of a Python object per member. `counted`: the
+    caller has found more than MAX_MEMBERS colons in `raw` already."""
+    if not counted and _count(raw, b":") <= MAX_MEMBERS:
         return  # every member has one: the usual body needs no count
     if not _OBJECT_START.match(memoryview(raw)):
         return  # not an object: the decode says what it is
