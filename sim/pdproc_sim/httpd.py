@@ -231,6 +231,11 @@ class Exchange:
             record["served_at"] = time.time()
 
 
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
 def exchange_handler(state: RoleState, serve: ExchangeServer) -> Handler:
     """An aiohttp handler that keeps the books of each request (gauge, counter, record)."""
 
@@ -241,6 +246,14 @@ def exchange_handler(state: RoleState, serve: ExchangeServer) -> Handler:
         except asyncio.CancelledError:
             # aiohttp cancels the handler when the client goes away; count it, then unwind.
             exchange.cancel()
+            raise
+        except ConnectionResetError:
+            # A client gone while the answer's headers were written (Envoy resetting a
+            # decode stream pdproc failed) is a cancelled request too, as vLLM aborts it.
+            if _client_gone(request):
+                exchange.cancel()
+            else:
+                exchange.outcome = "error"
             raise
         except Exception:
             exchange.outcome = "error"
