@@ -84,7 +84,7 @@ def parse_body(raw: ClientBytes) -> Members:
     short = len(raw) < CHECKED_WHOLE_BELOW
     wide = raw.count(b":") > MAX_MEMBERS if short else _holds_more(raw, b":", MAX_MEMBERS)
     if wide:
-        _refuse_wide_object(raw, counted=True)
+        _refuse_wide_object(raw)
     try:
         members = _MEMBERS.decode(raw)
     except msgspec.ValidationError:
@@ -113,15 +113,12 @@ _OBJECT_START = re.compile(rb"[ \t\r\n]*\{")
 _OBJECTS_AS_ARRAYS = bytes.maketrans(b"{}:", b"[],")
 
 
-def _refuse_wide_object(
-    raw: ClientBytes | msgspec.Raw, name: str = "", *, counted: bool = False
-) -> None:
-    """BodyError if the body (or its member `name`) is an object of more than MAX_MEMBERS
-    members (duplicate keys counted), found in C at the cost of one copy of its bytes and
-    of the members up to the bound, never of a Python object per member. `counted`: the
-    caller has found more than MAX_MEMBERS colons in `raw` already."""
-    if not counted and _count(raw, b":") <= MAX_MEMBERS:
-        return  # every member has one: the usual body needs no count
+def _refuse_wide_object(raw: ClientBytes | msgspec.Raw, name: str = "") -> None:
+    """BodyError if the body (or its member `name`), which holds more than MAX_MEMBERS
+    colons, is an object of more than MAX_MEMBERS members (duplicate keys counted), found in
+    C at the cost of one copy of its bytes and of the members up to the bound, never of a
+    Python object per member. Every member has a colon: callers count them first, so the
+    usual body never gets here."""
     if not _OBJECT_START.match(memoryview(raw)):
         return  # not an object: the decode says what it is
     try:
@@ -152,7 +149,7 @@ def _refuse_nested_fields(members: Members, path: tuple[str, ...], *, wide: bool
     current: Members | None = members
     for depth, name in enumerate(path, 1):
         value = current.get(name) if current is not None else None
-        if value is not None and wide:
+        if value is not None and wide and _count(value, b":") > MAX_MEMBERS:
             _refuse_wide_object(value, ".".join(path[:depth]))
         current = _as_object(value) if value is not None else None
     if current is None:

@@ -247,16 +247,13 @@ def exchange_handler(state: RoleState, serve: ExchangeServer) -> Handler:
             # aiohttp cancels the handler when the client goes away; count it, then unwind.
             exchange.cancel()
             raise
-        except ConnectionResetError:
+        except Exception as exc:
             # A client gone while the answer's headers were written (Envoy resetting a
             # decode stream pdproc failed) is a cancelled request too, as vLLM aborts it.
-            if _client_gone(request):
+            if isinstance(exc, ConnectionResetError) and _client_gone(request):
                 exchange.cancel()
             else:
                 exchange.outcome = "error"
-            raise
-        except Exception:
-            exchange.outcome = "error"
             raise
         finally:
             exchange.finish()
